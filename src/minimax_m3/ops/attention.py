@@ -1,0 +1,94 @@
+"""Attention over GQA groups with boolean keep masks (True = attend), prefill in query tiles and decode.
+
+Queries ``[B, Hq, T, D]``, keys/values ``[B, Hkv, S, D]``; query head ``h`` belongs to KV group
+``h // (Hq / Hkv)``. Masks are per KV group ``[B, G, T, S]`` or shared ``[B, 1, T, S]``. No tensor is ever
+``S x S`` for all heads at once: prefill walks query tiles and each tile only sees keys up to its end.
+"""
+
+import torch
+
+from .indexer import block_keep_mask, select_blocks_for_queries
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float):
+    """Softmax attention of ``q [B, Hq, T, D]`` over ``k, v [B, Hkv, S, D]`` where ``keep [B, G|1, T, S]``.
+
+    Scores are computed in the inputs' dtype and the softmax in float32 (like transformers' eager path).
+    Every query row must keep at least one key.
+    """
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    qg = q.view(b, hkv, hq // hkv, t, d)
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale  # [B, G, R, T, S]
+    scores = scores.float().masked_fill(~keep.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v.unsqueeze(2))  # [B, G, R, T, D]
+    return out.reshape(b, hq, t, d)
+
+
+def causal_keep(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[B, 1, T, num_keys]``: key position ``t <= p`` for query position ``p``."""
+    k_pos = torch.arange(num_keys, device=q_pos.device).view(1, 1, 1, num_keys)
+    return k_pos <= q_pos.view(q_pos.shape[0], 1, q_pos.shape[1], 1)
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, iq: torch.Tensor | None = None,
+    ik: torch.Tensor | None = None, block_size: int = 128, topk: int = 16, init_blocks: int = 0,
+    local_blocks: int = 1, tile: int = 256,
+) -> torch.Tensor:
+    """Causal prefill from position 0 over ``S`` tokens, dense or (with ``iq``/``ik``) block-sparse.
+
+    ``iq [B, G, S, Di]`` index queries and ``ik [B, S, Di]`` index keys switch on MiniMax Sparse Attention:
+    each query tile selects its blocks with the indexer and attends through a boolean keep mask. Memory per
+    tile is O(Hq x tile x S).
+    """
+    b, _, s, _ = q.shape
+    outs = []
+    for t0 in range(0, s, tile):
+        t1 = min(s, t0 + tile)
+        q_pos = torch.arange(t0, t1, device=q.device).unsqueeze(0).expand(b, -1)
+        keep = causal_keep(q_pos, t1)
+        if iq is not None:
+            blocks = select_blocks_for_queries(
+                iq[:, :, t0:t1], ik[:, :t1], q_pos, block_size, topk, init_blocks, local_blocks
+            )
+            keep = keep & block_keep_mask(blocks, t1, block_size)
+        outs.append(masked_attention(q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], keep, scale))
+    return torch.cat(outs, dim=2)
+
+
+def decode_attention_dense(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One new token per row: ``q [B, Hq, 1, D]`` at positions ``q_pos [B]`` over the whole cache."""
+    keep = causal_keep(q_pos.view(-1, 1), k_cache.shape[2])
+    return masked_attention(q, k_cache, v_cache, keep, scale)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Read only the selected blocks: ``cache [B, G, S, D]``, ``blocks [B, G, K]`` → ``[B, G, K*bs, D]``.
+
+    ``-1`` slots read block 0 (their keys are masked by the caller).
+    """
+    b, g, s, d = cache.shape
+    k = blocks.shape[-1]
+    nblk = s // block_size
+    paged = cache.view(b, g, nblk, block_size, d)
+    idx = blocks.clamp(min=0).view(b, g, k, 1, 1).expand(b, g, k, block_size, d)
+    return torch.gather(paged, 2, idx).reshape(b, g, k * block_size, d)
+
+
+def decode_attention_sparse(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor, blocks: torch.Tensor,
+    block_size: int, scale: float,
+) -> torch.Tensor:
+    """Sparse decode: each KV group reads only its selected blocks ``blocks [B, G, K]`` from the caches
+    (``[B, G, S, D]``, S a multiple of ``block_size``) and attends causally within them."""
+    kg = gather_blocks(k_cache, blocks, block_size)
+    vg = gather_blocks(v_cache, blocks, block_size)
+    b, g, kk = blocks.shape
+    offs = torch.arange(block_size, device=q.device)
+    key_pos = (blocks.clamp(min=0).unsqueeze(-1) * block_size + offs).reshape(b, g, kk * block_size)
+    valid = (blocks >= 0).unsqueeze(-1).expand(b, g, kk, block_size).reshape(b, g, kk * block_size)
+    keep = (valid & (key_pos <= q_pos.view(b, 1, 1))).unsqueeze(2)  # [B, G, 1, K*bs]
+    return masked_attention(q, kg, vg, keep, scale)

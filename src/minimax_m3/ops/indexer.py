@@ -1,0 +1,69 @@
+"""The lightning indexer: per query and KV group, pick the top-k key blocks to attend to.
+
+Semantics (see shared/docs/m3_model_and_formats.md §6.1): index head g serves KV head g. The token score
+``iq_g(p) . ik(t)`` (float32, no scale) is masked causally at token level (``t <= p``), max-pooled over blocks
+of ``block_size`` absolute positions, the ``init`` blocks and the query's own ``local`` blocks are forced in,
+and the top-k blocks win. Slots that only found future/empty blocks are ``-1``.
+
+Every shape depends only on input shapes; there is no host synchronisation (XLA-safe).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block scores ``[B, G, Tq, ceil(Sk / block_size)]`` (float32).
+
+    ``iq [B, G, Tq, D]`` index queries; ``ik [B, Sk, D]`` index keys of positions ``0..Sk-1``;
+    ``q_pos [B, Tq]`` the queries' positions. Future keys (``t > p``) score ``-inf`` before pooling.
+    """
+    b, g, tq, _ = iq.shape
+    sk = ik.shape[1]
+    scores = torch.matmul(iq.float(), ik.float().unsqueeze(1).transpose(-1, -2))  # [B, G, Tq, Sk]
+    k_pos = torch.arange(sk, device=iq.device)
+    future = k_pos.view(1, 1, 1, sk) > q_pos.view(b, 1, tq, 1)
+    scores = scores.masked_fill(future, float("-inf"))
+    nblk = -(-sk // block_size)
+    pad = nblk * block_size - sk
+    if pad:
+        scores = F.pad(scores, (0, pad), value=float("-inf"))
+    return scores.view(b, g, tq, nblk, block_size).amax(dim=-1)
+
+
+def select_blocks(
+    block_scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int, init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> torch.Tensor:
+    """Top-k block ids ``[B, G, Tq, min(topk, nblk)]`` (int64, ``-1`` for an empty slot).
+
+    Init blocks (``b < init_blocks``) and the query's own ``local_blocks`` most recent blocks are forced in
+    (as long as they are not in the future).
+    """
+    b, g, tq, nblk = block_scores.shape
+    blk = torch.arange(nblk, device=block_scores.device).view(1, 1, 1, nblk)
+    q_block = (q_pos // block_size).view(b, 1, tq, 1)
+    forced = ((blk < init_blocks) | (blk > q_block - local_blocks)) & (blk <= q_block)
+    scores = block_scores.masked_fill(forced, float("inf"))
+    vals, idx = torch.topk(scores, min(topk, nblk), dim=-1)
+    return idx.masked_fill(vals == float("-inf"), -1)
+
+
+def select_blocks_for_queries(
+    iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int, init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> torch.Tensor:
+    """:func:`index_block_scores` then :func:`select_blocks`."""
+    scores = index_block_scores(iq, ik, q_pos, block_size)
+    return select_blocks(scores, q_pos, block_size, topk, init_blocks, local_blocks)
+
+
+def block_keep_mask(block_idx: torch.Tensor, num_keys: int, block_size: int) -> torch.Tensor:
+    """Expand block ids ``[B, G, Tq, K]`` to a boolean keep mask ``[B, G, Tq, num_keys]`` (True = attend)."""
+    b, g, tq, _ = block_idx.shape
+    nblk = -(-num_keys // block_size)
+    safe = block_idx.masked_fill(block_idx < 0, nblk)  # -1 lands in a throwaway column
+    sel = torch.zeros(b, g, tq, nblk + 1, dtype=torch.bool, device=block_idx.device)
+    sel = sel.scatter(-1, safe, True)[..., :nblk]
+    keep = sel.unsqueeze(-1).expand(b, g, tq, nblk, block_size).reshape(b, g, tq, nblk * block_size)
+    return keep[..., :num_keys]
