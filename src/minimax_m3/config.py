@@ -163,6 +163,8 @@ class M3Config:
             "moe_layer_freq": [int(x) for x in self.moe_layers],
             "num_mtp_modules": 0,
             "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
             "sparse_attention_config": {
                 "use_sparse_attention": any(self.sparse_layers),
                 "sparse_index_dim": self.index_head_dim,

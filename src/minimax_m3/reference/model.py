@@ -1,0 +1,154 @@
+"""The reference MiniMax-M3 text backbone in plain PyTorch. Reads top to bottom; all math is in ``ops``.
+
+Cache slot == token position for every sequence (a batch is aligned at position 0 and padded on the
+right internally), so block boundaries always follow each sequence's own content.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import ops
+from ..config import M3Config
+from .cache import KVCache
+from .moe import routed_experts
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))  # zero-centred Gemma weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, c: M3Config, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * inter, bias=False)  # [gate; up]
+        self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
+        self.alpha, self.limit = c.swiglu_alpha, c.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.swiglu_mlp(x, self.gate_up_proj.weight, self.down_proj.weight, self.alpha, self.limit)
+
+
+class Experts(nn.Module):
+    def __init__(self, c: M3Config):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, 2 * c.intermediate_size))
+        self.down = nn.Parameter(torch.empty(c.num_experts, c.intermediate_size, c.hidden_size))
+
+
+class MoE(nn.Module):
+    def __init__(self, c: M3Config):
+        super().__init__()
+        self.c = c
+        self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False, dtype=torch.float32)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(c.num_experts, dtype=torch.float32))
+        self.experts = Experts(c)
+        self.shared = DenseMLP(c, c.shared_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = ops.route(x, self.router.weight, self.e_score_correction_bias, self.c.top_k)
+        routed = routed_experts(x, weights, experts, self.experts.gate_up, self.experts.down, self.c)
+        return (routed * self.c.routed_scaling_factor + self.shared(x)).view(shape)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: M3Config, sparse: bool):
+        super().__init__()
+        self.c, self.sparse = c, sparse
+        h, d = c.hidden_size, c.head_dim
+        self.q_proj = nn.Linear(h, c.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
+        self.q_norm, self.k_norm = Norm(d, c.rms_norm_eps), Norm(d, c.rms_norm_eps)
+        if sparse:
+            self.index_q_proj = nn.Linear(h, c.index_heads * c.index_head_dim, bias=False)
+            self.index_k_proj = nn.Linear(h, c.index_head_dim, bias=False)
+            self.index_q_norm = Norm(c.index_head_dim, c.rms_norm_eps)
+            self.index_k_norm = Norm(c.index_head_dim, c.rms_norm_eps)
+
+    def _heads(self, x, proj, norm, n, d, cos, sin):
+        b, s, _ = x.shape
+        y = norm(proj(x).view(b, s, n, d)).transpose(1, 2)  # [B, n, S, d]
+        return ops.apply_rope(y, cos, sin)
+
+    def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, decode: bool):
+        c = self.c
+        b, s, _ = x.shape
+        q = self._heads(x, self.q_proj, self.q_norm, c.num_heads, c.head_dim, cos, sin)
+        k = self._heads(x, self.k_proj, self.k_norm, c.num_kv_heads, c.head_dim, cos, sin)
+        v = self.v_proj(x).view(b, s, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        kc, vc = cache.write_kv(layer, k, v, positions)
+        kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
+        sel = dict(block_size=c.index_block_size, topk=c.index_topk, init_blocks=c.index_init_blocks,
+                   local_blocks=c.index_local_blocks)
+        if self.sparse:
+            iq = self._heads(x, self.index_q_proj, self.index_q_norm, c.index_heads, c.index_head_dim, cos, sin)
+            ik = self._heads(x, self.index_k_proj, self.index_k_norm, 1, c.index_head_dim, cos, sin)[:, 0]
+            ikc = cache.write_index_k(layer, ik, positions)[:, :kv_len]
+        if not decode:  # prefill from position 0: keys are this call's own tokens
+            if self.sparse:
+                out = ops.prefill_attention(q, k, v, c.softmax_scale, iq=iq, ik=ik, tile=cache.tile, **sel)
+            else:
+                out = ops.prefill_attention(q, k, v, c.softmax_scale, tile=cache.tile)
+        elif self.sparse:
+            q_pos = positions[:, 0]
+            blocks = ops.select_blocks_for_queries(iq, ikc, positions, **sel)  # [B, G, 1, K]
+            out = ops.decode_attention_sparse(q, kc, vc, q_pos, blocks[:, :, 0], c.index_block_size,
+                                              c.softmax_scale)
+        else:
+            out = ops.decode_attention_dense(q, kc, vc, positions[:, 0], c.softmax_scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, c.num_heads * c.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: M3Config, i: int):
+        super().__init__()
+        self.input_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
+        self.attn = Attention(c, c.sparse_layers[i])
+        if c.moe_layers[i]:
+            self.moe = MoE(c)
+        else:
+            self.mlp = DenseMLP(c, c.dense_intermediate_size)
+        self.i = i
+
+    def forward(self, x, cos, sin, positions, cache, kv_len, decode):
+        x = x + self.attn(self.input_layernorm(x), cos, sin, positions, cache, self.i, kv_len, decode)
+        h = self.post_attention_layernorm(x)
+        return x + (self.moe(h) if hasattr(self, "moe") else self.mlp(h))
+
+
+class M3Model(nn.Module):
+    def __init__(self, c: M3Config):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
+        self.norm = Norm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.register_buffer("inv_freq", ops.rope_inv_freq(c.rotary_dim, c.rope_theta), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int, decode: bool,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states → float32 logits. ``ids, positions [B, S]``; prefill starts at position 0.
+
+        ``logits_at [B]`` picks one position per row (saves the lm_head over the whole prompt)."""
+        x = self.embed_tokens(ids)
+        cos, sin = ops.rope_cos_sin(positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, positions, cache, kv_len, decode)
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
+        return F.linear(self.norm(x), self.lm_head.weight).float()
