@@ -47,7 +47,7 @@ _NO_KEY = {"NoSuchKey", "404", "NotFound"}
 def make_client() -> Any:
     """An S3 client from boto3's standard chain (profile, env, instance role; ``AWS_ENDPOINT_URL_S3``)."""
     retries = {"mode": os.environ.get("AWS_RETRY_MODE", "adaptive"),
-               "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS", "10"))}
+               "total_max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS", "10"))}
     cfg = Config(retries=retries, max_pool_connections=max(10, _concurrency() + 4),
                  connect_timeout=20, read_timeout=120)
     return boto3.session.Session().client("s3", config=cfg)
@@ -176,12 +176,13 @@ def clear_temporaries(staging: Path, keep: Path) -> None:
 class _Progress(BaseSubscriber):
     """Feeds s3transfer's byte counts into one shared tqdm bar (thread-safe)."""
 
-    def __init__(self, bar: tqdm, lock: threading.Lock, size: int | None = None):
-        self.bar, self.lock, self.size = bar, lock, size
+    def __init__(self, bar: tqdm, lock: threading.Lock, size: int | None = None, etag: str | None = None):
+        self.bar, self.lock, self.size, self.etag = bar, lock, size, etag
 
     def on_queued(self, future: Any, **kwargs: Any) -> None:
-        if self.size is not None:  # known from the listing: saves a HEAD per file
-            future.meta.provide_transfer_size(self.size)
+        if self.size is not None and self.etag is not None:  # from the listing: no HEAD per file, and
+            future.meta.provide_transfer_size(self.size)     # ranged GETs carry If-Match: etag
+            future.meta.provide_object_etag(self.etag)
 
     def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
         with self.lock:
@@ -193,14 +194,14 @@ def _bar(total: int, desc: str, quiet: bool) -> tqdm:
                 disable=quiet, mininterval=0.5, dynamic_ncols=True)
 
 
-def list_sizes(client: Any, bucket: str, prefix: str, uri: str) -> dict[str, int]:
-    """Relative path -> size of every object under the prefix."""
+def list_objects(client: Any, bucket: str, prefix: str, uri: str) -> dict[str, tuple[int, str]]:
+    """Relative path -> (size, etag) of every object under the prefix."""
     root = f"{prefix}/" if prefix else ""
-    out: dict[str, int] = {}
+    out: dict[str, tuple[int, str]] = {}
     with translating(uri, "s3:ListBucket"):
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=root):
             for obj in page.get("Contents", []):
-                out[obj["Key"][len(root):]] = obj["Size"]
+                out[obj["Key"][len(root):]] = (obj["Size"], obj.get("ETag"))
     return out
 
 
@@ -258,7 +259,8 @@ def fetch_verified(client: Any, bucket: str, prefix: str, uri: str, dest: Path, 
     todo = journal.missing(dest, files)
     if not todo:
         return
-    sizes = list_sizes(client, bucket, prefix, uri)
+    objects = list_objects(client, bucket, prefix, uri)
+    sizes = {rel: size for rel, (size, _) in objects.items()}
     for f in todo:
         if sizes.get(f["path"]) != f["size"]:
             raise IntegrityError(
@@ -275,7 +277,7 @@ def fetch_verified(client: Any, bucket: str, prefix: str, uri: str, dest: Path, 
             tmp = staging / f["path"]
             tmp.parent.mkdir(parents=True, exist_ok=True)
             fut = tm.download(bucket, key_of(prefix, f["path"]), str(tmp),
-                              subscribers=[_Progress(bar, lock, f["size"])])
+                              subscribers=[_Progress(bar, lock, *objects[f["path"]])])
             jobs.append((f, tmp, fut))
         checks = []
         try:
@@ -295,7 +297,7 @@ def fetch_verified(client: Any, bucket: str, prefix: str, uri: str, dest: Path, 
 def put_verified(client: Any, bucket: str, prefix: str, uri: str, root: Path, man: dict[str, Any], *,
                  quiet: bool, config: Any = None) -> None:
     """Upload every manifest file not already stored with the same size and sha256 metadata."""
-    existing = list_sizes(client, bucket, prefix, uri)
+    existing = {rel: size for rel, (size, _) in list_objects(client, bucket, prefix, uri).items()}
     if MANIFEST_NAME in existing:  # the prefix reads as incomplete until the new manifest is written
         with translating(uri, "s3:DeleteObject"):
             client.delete_object(Bucket=bucket, Key=key_of(prefix, MANIFEST_NAME))
