@@ -1,0 +1,169 @@
+"""Release keys → the NxDI state dict of ``minimax_m3.neuron`` (``NeuronMiniMaxM3ForCausalLM``), as rules.
+
+Same ``Rule`` style as :mod:`.mapping`; the targets are the names NxDI/NxD modules register (checked in
+their sources, NxDI 0.9 / NxD 0.18):
+
+* attention: ``self_attn.qkv_proj.{q,k,v}_proj.weight`` (``GroupQueryAttention_QKV``; or ``qkv_proj.Wqkv.weight``
+  with ``fused_qkv``), ``self_attn.o_proj.o_proj.weight`` (``GroupQueryAttention_O``); its preshard hooks
+  replicate K/V heads to the TP degree. Per-head norms ``self_attn.{q,k}_layernorm.weight``.
+* indexer (sparse layers): ``self_attn.index_{q,k}_proj.weight``, ``self_attn.index_{q,k}_norm.weight``
+  (our modules; the index-q preshard hook replicates index heads exactly like K/V heads).
+* MoE (NxD ``MoE``/``RouterTopK``/``ExpertMLPsV2``): ``moe.router.linear_router.weight`` (fp32),
+  ``moe.router.e_score_correction_bias`` (fp32), ``moe.expert_mlps.mlp_op.gate_up_proj.{weight,bias}``
+  ``[E, H, 2I]`` gate first / ``[E, 2I]`` zeros, ``moe.expert_mlps.mlp_op.down_proj.{weight,bias}`` ``[E, I, H]`` /
+  ``[E, H]`` zeros (``bias=True`` is what makes NxD add SwiGLU-OAI's ``+1``; the biases themselves are zero).
+* our SwiGLU-OAI MLPs (dense layers, shared expert): ``{mlp,shared_expert}.gate_up_proj.weight`` ``[gate; up]``
+  for a stride-2 ``ColumnParallelLinear``, ``{mlp,shared_expert}.down_proj.weight``.
+* every Gemma norm gets its ``+1`` folded in float32 and stays float32 (input, post-attention, q/k, index q/k,
+  final); ``rank_util.rank`` / ``layers.{L}.self_attn.rank_util.rank`` are ``arange(tp)`` int32.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from ..config import M3Config
+from .mapping import ATT, LM, MOE, Rule, _applies, _cat0, _experts_down, _experts_gate_up, _ident, _sources
+
+FP32 = True
+
+
+def _fold_gemma(ts: Sequence) -> torch.Tensor:
+    """Zero-centred Gemma weight ``w`` → ``1 + w`` computed in float32 (kept float32)."""
+    return 1.0 + ts[0].float()
+
+
+def _cat_qkv(ts: Sequence) -> torch.Tensor:
+    return torch.cat([ts[0], ts[1], ts[2]], dim=0)
+
+
+def nxdi_rules(c: M3Config, tp_degree: int, fused_qkv: bool = False) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
+    """``(global_rules, layer_rules)`` for config ``c`` at ``tp_degree``."""
+    e, i_, h = c.num_experts, c.intermediate_size, c.hidden_size
+    rank = lambda _: torch.arange(tp_degree, dtype=torch.int32)  # noqa: E731
+    glob = (
+        Rule("embed_tokens.weight", (LM + ".embed_tokens.weight",)),
+        Rule("norm.weight", (LM + ".norm.weight",), _fold_gemma, keep_fp32=FP32),
+        Rule("lm_head.weight", ("language_model.lm_head.weight",)),
+        Rule("rank_util.rank", (), rank),
+    )
+    qkv = (
+        (Rule("layers.{L}.self_attn.qkv_proj.Wqkv.weight",
+              (f"{ATT}.q_proj.weight", f"{ATT}.k_proj.weight", f"{ATT}.v_proj.weight"), _cat_qkv),)
+        if fused_qkv else
+        tuple(Rule(f"layers.{{L}}.self_attn.qkv_proj.{n}.weight", (f"{ATT}.{n}.weight",))
+              for n in ("q_proj", "k_proj", "v_proj"))
+    )
+    layer = (
+        Rule("layers.{L}.input_layernorm.weight", (LM + ".layers.{L}.input_layernorm.weight",), _fold_gemma,
+             keep_fp32=FP32),
+        Rule("layers.{L}.post_attention_layernorm.weight", (LM + ".layers.{L}.post_attention_layernorm.weight",),
+             _fold_gemma, keep_fp32=FP32),
+        *qkv,
+        Rule("layers.{L}.self_attn.o_proj.o_proj.weight", (f"{ATT}.o_proj.weight",)),
+        Rule("layers.{L}.self_attn.q_layernorm.weight", (f"{ATT}.q_norm.weight",), _fold_gemma, keep_fp32=FP32),
+        Rule("layers.{L}.self_attn.k_layernorm.weight", (f"{ATT}.k_norm.weight",), _fold_gemma, keep_fp32=FP32),
+        Rule("layers.{L}.self_attn.rank_util.rank", (), rank),
+        Rule("layers.{L}.self_attn.index_q_proj.weight", (f"{ATT}.index_q_proj.weight",), when="sparse"),
+        Rule("layers.{L}.self_attn.index_k_proj.weight", (f"{ATT}.index_k_proj.weight",), when="sparse"),
+        Rule("layers.{L}.self_attn.index_q_norm.weight", (f"{ATT}.index_q_norm.weight",), _fold_gemma, "sparse",
+             keep_fp32=FP32),
+        Rule("layers.{L}.self_attn.index_k_norm.weight", (f"{ATT}.index_k_norm.weight",), _fold_gemma, "sparse",
+             keep_fp32=FP32),
+        Rule("layers.{L}.mlp.gate_up_proj.weight",
+             (LM + ".layers.{L}.mlp.gate_proj.weight", LM + ".layers.{L}.mlp.up_proj.weight"), _cat0, "dense"),
+        Rule("layers.{L}.mlp.down_proj.weight", (LM + ".layers.{L}.mlp.down_proj.weight",), when="dense"),
+        Rule("layers.{L}.moe.router.linear_router.weight", (MOE + ".gate.weight",), when="moe", keep_fp32=FP32),
+        Rule("layers.{L}.moe.router.e_score_correction_bias", (MOE + ".e_score_correction_bias",), when="moe",
+             keep_fp32=FP32),
+        Rule("layers.{L}.moe.expert_mlps.mlp_op.gate_up_proj.weight",
+             (MOE + ".experts.{E}.w1.weight", MOE + ".experts.{E}.w3.weight"), _experts_gate_up, "moe"),
+        Rule("layers.{L}.moe.expert_mlps.mlp_op.gate_up_proj.bias", (), lambda _: torch.zeros(e, 2 * i_), "moe"),
+        Rule("layers.{L}.moe.expert_mlps.mlp_op.down_proj.weight", (MOE + ".experts.{E}.w2.weight",),
+             _experts_down, "moe"),
+        Rule("layers.{L}.moe.expert_mlps.mlp_op.down_proj.bias", (), lambda _: torch.zeros(e, h), "moe"),
+        Rule("layers.{L}.shared_expert.gate_up_proj.weight",
+             (MOE + ".shared_experts.gate_proj.weight", MOE + ".shared_experts.up_proj.weight"), _cat0, "moe"),
+        Rule("layers.{L}.shared_expert.down_proj.weight", (MOE + ".shared_experts.down_proj.weight",), when="moe"),
+    )
+    return glob, layer
+
+
+# Release keys that are not part of the text backbone, each with the reason it is not converted.
+SKIPPED = (
+    (re.compile(r"^vision_tower\."), "vision tower: the NxDI port serves the text backbone only"),
+    (re.compile(r"^(multi_modal_projector|patch_merge_mlp)\."), "vision projector: text backbone only"),
+    (re.compile(r"(^|\.)mtp\."), "MTP module: speculative decoding head, not served by this port"),
+    (re.compile(r"\.weight_scale(_inv)?$"), "MXFP8 scale: consumed by dequantisation in checkpoint.open_source"),
+)
+
+
+def _unit_rules(c: M3Config, unit: int | None, tp_degree: int, fused_qkv: bool) -> list[Rule]:
+    glob, layer = nxdi_rules(c, tp_degree, fused_qkv)
+    return list(glob) if unit is None else [r for r in layer if _applies(r, c, unit)]
+
+
+def nxdi_source_keys(c: M3Config, unit: int | None, tp_degree: int = 1, fused_qkv: bool = False) -> list[str]:
+    keys: list[str] = []
+    for rule in _unit_rules(c, unit, tp_degree, fused_qkv):
+        for tmpl in rule.sources:
+            s = _sources(tmpl, unit, c)
+            keys.extend(s if isinstance(s, list) else [s])
+    return keys
+
+
+def convert_unit_nxdi(get: Callable[[str], torch.Tensor], c: M3Config, unit: int | None, tp_degree: int,
+                      dtype: torch.dtype | None = None, fused_qkv: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Apply the NxDI rules of one unit (``None`` = global tensors, else a layer index).
+
+    ``get(key)`` returns a full-precision release tensor. Floating outputs are cast to ``dtype`` except the
+    ``keep_fp32`` ones (folded norms, router weight, routing bias); int tensors are left alone."""
+    for rule in _unit_rules(c, unit, tp_degree, fused_qkv):
+        srcs = []
+        for tmpl in rule.sources:
+            s = _sources(tmpl, unit, c)
+            srcs.append([get(k) for k in s] if isinstance(s, list) else get(s))
+        t = rule.transform(srcs)
+        if t.is_floating_point():
+            if rule.keep_fp32:
+                t = t.float()
+            elif dtype is not None:
+                t = t.to(dtype)
+        name = rule.target if unit is None else rule.target.replace("{L}", str(unit))
+        yield name, t.contiguous()
+
+
+def fp32_targets(c: M3Config, tp_degree: int = 1) -> set[str]:
+    """Every converted key that must stay float32 whatever the model dtype."""
+    out: set[str] = set()
+    for unit in [None, *range(c.num_layers)]:
+        for r in _unit_rules(c, unit, tp_degree, False):
+            if r.keep_fp32:
+                out.add(r.target if unit is None else r.target.replace("{L}", str(unit)))
+    return out
+
+
+def audit(release_keys: Iterable[str], c: M3Config, tp_degree: int = 1, fused_qkv: bool = False) -> dict:
+    """Account for every release key: ``{"consumed": [...], "skipped": {key: reason}, "unknown": [...],
+    "missing": [...]}``. ``unknown`` (in the checkpoint, no rule) and ``missing`` (a rule's source absent)
+    must both be empty for a conversion to be trusted."""
+    release = set(release_keys)
+    needed: set[str] = set()
+    for unit in [None, *range(c.num_layers)]:
+        needed.update(nxdi_source_keys(c, unit, tp_degree, fused_qkv))
+    skipped: dict[str, str] = {}
+    unknown = []
+    for k in sorted(release - needed):
+        reason = next((why for pat, why in SKIPPED if pat.search(k)), None)
+        if reason is None:
+            unknown.append(k)
+        else:
+            skipped[k] = reason
+    return {"consumed": sorted(release & needed), "skipped": skipped, "unknown": unknown,
+            "missing": sorted(needed - release)}
+
+
+__all__ = ["SKIPPED", "audit", "convert_unit_nxdi", "fp32_targets", "nxdi_rules", "nxdi_source_keys", "_ident"]
