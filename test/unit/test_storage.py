@@ -101,6 +101,7 @@ def make_compiled(root: Path) -> Path:
     torch.save({"neff": os.urandom(3 * MiB)}, root / "model.pt")
     for r in range(2):
         save_file({"w": torch.full((256, 256), float(r))}, root / "weights" / f"tp{r}_sharded_checkpoint.safetensors")
+    (root / "weights" / "empty marker ü.txt").write_bytes(b"")  # edge cases: 0 bytes, space, non-ASCII key
     return root
 
 
