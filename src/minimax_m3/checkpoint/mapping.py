@@ -7,6 +7,7 @@ time. The reference model stores Gemma norm weights zero-centred (the ``+1`` is 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -45,6 +46,7 @@ class Rule:
     transform: Callable[[Sequence], torch.Tensor] = _ident
     when: str = "all"  # all | sparse (sparse-attention layers) | moe | dense (dense-MLP layers)
     keep_fp32: bool = False  # router weight and bias stay float32 whatever the model dtype
+    fp32_math: bool = False  # sources arrive in float32 and the result is cast once (arithmetic transforms)
 
 
 GLOBAL_RULES = (
@@ -75,6 +77,57 @@ LAYER_RULES = (
 )
 
 
+@dataclass(frozen=True)
+class Skip:
+    """Release keys a target does not use, and why (reported by the audit, never dropped silently)."""
+
+    pattern: str  # regular expression searched in the release key
+    reason: str
+
+
+SKIPS = (
+    Skip(r"^vision_tower\.", "vision tower: the text backbone serves text only"),
+    Skip(r"^multi_modal_projector\.", "multimodal projector: feeds vision features, unused by the text backbone"),
+    Skip(r"^patch_merge_mlp\.", "patch-merge projector: part of the vision path, unused by the text backbone"),
+    Skip(r"^language_model\.model\.mtp\.", "MTP module: multi-token prediction is not served (MiniMax: "
+         "'Don't support MTP now')"),
+)
+# companions of a quantized weight that no target consumes
+INPUT_SCALE = Skip(r"\.input_scale$", "NVFP4 activation (input) scale: used only by W4A4 kernels; a dequantized "
+                   "weight needs none")
+
+
+@dataclass(frozen=True)
+class RuleTable:
+    """A conversion target: global rules, per-layer rules, what it skips, and whether the rest passes through."""
+
+    name: str
+    global_rules: tuple[Rule, ...]
+    layer_rules: tuple[Rule, ...]
+    skips: tuple[Skip, ...] = SKIPS
+    passthrough: bool = False  # every unclaimed, unskipped release key is written under its own name
+
+
+REFERENCE = RuleTable("reference", GLOBAL_RULES, LAYER_RULES)
+# the dequantized twin of the release: every tensor under its own name (vision and MTP included)
+BF16 = RuleTable("bf16", (), (), skips=(), passthrough=True)
+
+_LAYER_KEY = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
+
+
+def unit_of(key: str) -> int | None:
+    """The conversion unit a release key belongs to: its decoder layer, or ``None`` (global/vision/MTP)."""
+    m = _LAYER_KEY.match(key)
+    return int(m.group(1)) if m else None
+
+
+def skip_reason(table: RuleTable, key: str) -> str | None:
+    for s in (*table.skips, INPUT_SCALE):
+        if re.search(s.pattern, key):
+            return s.reason
+    return None
+
+
 def _applies(rule: Rule, c: M3Config, layer: int) -> bool:
     return {"all": True, "sparse": c.sparse_layers[layer], "moe": c.moe_layers[layer],
             "dense": not c.moe_layers[layer]}[rule.when]
@@ -87,34 +140,113 @@ def _sources(template: str, layer: int | None, c: M3Config) -> list[str] | str:
     return key
 
 
+def _flat(srcs) -> list[str]:
+    return [k for s in srcs for k in (s if isinstance(s, list) else [s])]
+
+
 def layer_units(c: M3Config) -> list[int | None]:
     """Conversion units in order: ``None`` for the global tensors, then each layer."""
     return [None, *range(c.num_layers)]
 
 
-def source_keys(c: M3Config, unit: int | None) -> list[str]:
+def unit_rules(c: M3Config, unit: int | None, table: RuleTable = REFERENCE,
+               keys: Sequence[str] | None = None, keep_fp32: Callable[[str], bool] | None = None) -> list[Rule]:
+    """The rules of ``unit``; for a passthrough table also one identity rule per unclaimed release key in ``keys``
+    (``keep_fp32(key)`` says which of those stay float32)."""
+    rules = list(table.global_rules) if unit is None else [r for r in table.layer_rules if _applies(r, c, unit)]
+    if table.passthrough:
+        if keys is None:
+            raise ValueError(f"table {table.name!r} passes keys through: give the checkpoint's keys")
+        claimed = set(_flat(_sources(t, unit, c) for r in rules for t in r.sources))
+        for k in keys:
+            if unit_of(k) == unit and k not in claimed and skip_reason(table, k) is None:
+                rules.append(Rule(k, (k,), keep_fp32=bool(keep_fp32 and keep_fp32(k))))
+    return rules
+
+
+def source_keys(c: M3Config, unit: int | None, table: RuleTable = REFERENCE,
+                keys: Sequence[str] | None = None) -> list[str]:
     """Every release key the rules of ``unit`` consume."""
-    rules = GLOBAL_RULES if unit is None else [r for r in LAYER_RULES if _applies(r, c, unit)]
-    keys: list[str] = []
-    for rule in rules:
-        for tmpl in rule.sources:
-            s = _sources(tmpl, unit, c)
-            keys.extend(s if isinstance(s, list) else [s])
-    return keys
+    return _flat(_sources(t, unit, c) for r in unit_rules(c, unit, table, keys) for t in r.sources)
+
+
+def target_name(rule: Rule, unit: int | None) -> str:
+    return rule.target.replace("{L}", str(unit)) if unit is not None else rule.target
+
+
+def apply_rule(rule: Rule, unit: int | None, c: M3Config, get: Callable[..., torch.Tensor],
+               dtype: torch.dtype | None = None, cast_get: Callable[[str, torch.dtype], torch.Tensor] | None = None
+               ) -> torch.Tensor:
+    """Fetch one rule's sources, transform, cast. ``cast_get(key, dtype)`` (optional) reads a source already in the
+    output dtype, so a large rule never holds float32 copies of bf16-bound data."""
+    wide = rule.keep_fp32 or rule.fp32_math or dtype is None
+    if wide or cast_get is None:
+        fetch = (lambda k: get(k).float()) if (rule.keep_fp32 or rule.fp32_math) else get
+    else:
+        fetch = lambda k: cast_get(k, dtype)  # noqa: E731
+    srcs = []
+    for tmpl in rule.sources:
+        s = _sources(tmpl, unit, c)
+        srcs.append([fetch(k) for k in s] if isinstance(s, list) else fetch(s))
+    t = rule.transform(srcs)
+    del srcs
+    if rule.keep_fp32:
+        t = t.float()
+    elif dtype is not None:
+        t = t.to(dtype)
+    return t.contiguous()
 
 
 def convert_unit(get: Callable[[str], torch.Tensor], c: M3Config, unit: int | None,
-                 dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Apply the rules of one unit; ``get(key)`` reads a release tensor (already dequantized)."""
-    rules = GLOBAL_RULES if unit is None else [r for r in LAYER_RULES if _applies(r, c, unit)]
-    for rule in rules:
-        srcs = []
-        for tmpl in rule.sources:
-            s = _sources(tmpl, unit, c)
-            srcs.append([get(k) for k in s] if isinstance(s, list) else get(s))
-        t = rule.transform(srcs)
-        if rule.keep_fp32:
-            t = t.float()
-        elif dtype is not None:
-            t = t.to(dtype)
-        yield rule.target.replace("{L}", str(unit)), t.contiguous()
+                 dtype: torch.dtype | None = None, table: RuleTable = REFERENCE,
+                 keys: Sequence[str] | None = None, keep_fp32: Callable[[str], bool] | None = None,
+                 cast_get: Callable[[str, torch.dtype], torch.Tensor] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Apply the rules of one unit lazily, one rule at a time; ``get(key)`` reads a release tensor (already
+    dequantized)."""
+    for rule in unit_rules(c, unit, table, keys, keep_fp32):
+        yield target_name(rule, unit), apply_rule(rule, unit, c, get, dtype, cast_get)
+
+
+def release_shapes(c: M3Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every text-backbone key of the release for config ``c``: (logical shape, kind) with kind ``linear`` (may be
+    quantized), ``fp32`` (router weight/bias, stored float32) or ``plain`` (norms, embeddings, lm_head)."""
+    h, hd = c.hidden_size, c.head_dim
+    out: dict[str, tuple[tuple[int, ...], str]] = {
+        f"{LM}.embed_tokens.weight": ((c.vocab_size, h), "plain"),
+        f"{LM}.norm.weight": ((h,), "plain"),
+        "language_model.lm_head.weight": ((c.vocab_size, h), "plain"),
+    }
+    for i in range(c.num_layers):
+        p = f"{LM}.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = ((h,), "plain")
+        out[f"{p}.post_attention_layernorm.weight"] = ((h,), "plain")
+        a = f"{p}.self_attn"
+        out[f"{a}.q_proj.weight"] = ((c.num_heads * hd, h), "linear")
+        out[f"{a}.k_proj.weight"] = ((c.num_kv_heads * hd, h), "linear")
+        out[f"{a}.v_proj.weight"] = ((c.num_kv_heads * hd, h), "linear")
+        out[f"{a}.o_proj.weight"] = ((h, c.num_heads * hd), "linear")
+        out[f"{a}.q_norm.weight"] = ((hd,), "plain")
+        out[f"{a}.k_norm.weight"] = ((hd,), "plain")
+        if c.sparse_layers[i]:
+            out[f"{a}.index_q_proj.weight"] = ((c.index_heads * c.index_head_dim, h), "linear")
+            out[f"{a}.index_k_proj.weight"] = ((c.index_head_dim, h), "linear")
+            out[f"{a}.index_q_norm.weight"] = ((c.index_head_dim,), "plain")
+            out[f"{a}.index_k_norm.weight"] = ((c.index_head_dim,), "plain")
+        if c.moe_layers[i]:
+            m, n, s = f"{p}.block_sparse_moe", c.intermediate_size, c.shared_intermediate_size
+            out[f"{m}.gate.weight"] = ((c.num_experts, h), "fp32")
+            out[f"{m}.e_score_correction_bias"] = ((c.num_experts,), "fp32")
+            for e in range(c.num_experts):
+                out[f"{m}.experts.{e}.w1.weight"] = ((n, h), "linear")
+                out[f"{m}.experts.{e}.w2.weight"] = ((h, n), "linear")
+                out[f"{m}.experts.{e}.w3.weight"] = ((n, h), "linear")
+            out[f"{m}.shared_experts.gate_proj.weight"] = ((s, h), "linear")
+            out[f"{m}.shared_experts.up_proj.weight"] = ((s, h), "linear")
+            out[f"{m}.shared_experts.down_proj.weight"] = ((h, s), "linear")
+        else:
+            d = c.dense_intermediate_size
+            out[f"{p}.mlp.gate_proj.weight"] = ((d, h), "linear")
+            out[f"{p}.mlp.up_proj.weight"] = ((d, h), "linear")
+            out[f"{p}.mlp.down_proj.weight"] = ((h, d), "linear")
+    return out

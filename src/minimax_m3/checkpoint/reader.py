@@ -1,58 +1,193 @@
-"""Lazy access to a safetensors checkpoint: a sharded directory (index JSON + shards) or a single file."""
+"""Lazy access to a safetensors checkpoint: a sharded directory (index JSON + shards) or a single file.
+
+Headers are parsed here (8-byte little-endian length, JSON, data) so that a truncated or corrupt shard is found
+before any work starts, and every problem of every shard is collected rather than the first. Tensors are read with
+``readinto`` into freshly allocated memory (no mmap), so what a reader has read does not stay resident.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+INDEX = "model.safetensors.index.json"
+DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """Everything wrong with a checkpoint, found before any work starts (one error, every problem)."""
+
+    def __init__(self, problems: list[str], source: str = "checkpoint"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{source}: {len(self.problems)} problem(s):\n{lines}")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shard: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute file offset of the data
+    nbytes: int
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], list[str]]:
+    """Parse one shard's header; returns (tensors, problems). Never raises for a bad file."""
+    name = path.name
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                return {}, [f"{name}: {size} bytes is too short for a safetensors file (truncated?); re-download it"]
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER or 8 + n > size:
+                return {}, [f"{name}: header length {n} does not fit a {size}-byte file (corrupt or truncated header); "
+                            "re-download it"]
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return {}, [f"{name}: unreadable header ({exc.__class__.__name__}: {exc}); re-download it"]
+    if not isinstance(header, dict):
+        return {}, [f"{name}: header is not a JSON object (corrupt); re-download it"]
+    problems: list[str] = []
+    infos: dict[str, TensorInfo] = {}
+    base = 8 + n
+    end_max = 0
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[meta["dtype"]]
+            shape = tuple(int(s) for s in meta["shape"])
+            a, b = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"{name}: tensor {key!r} has a malformed header entry {meta!r} (corrupt header)")
+            continue
+        numel = 1
+        for s in shape:
+            numel *= s
+        if b - a != numel * element_size(dtype) or a < 0:
+            problems.append(f"{name}: tensor {key!r} spans {b - a} bytes but {meta['dtype']}{list(shape)} needs "
+                            f"{numel * element_size(dtype)} (corrupt header)")
+            continue
+        end_max = max(end_max, b)
+        infos[key] = TensorInfo(name, dtype, shape, base + a, b - a)
+    if base + end_max > size:
+        problems.append(f"{name}: truncated — the header describes {base + end_max} bytes but the file has {size}; "
+                        "re-download or re-copy this shard")
+    return infos, problems
 
 
 class CheckpointReader:
-    """Opens shards on demand with ``safe_open``; reads one tensor at a time."""
+    """All tensors of a checkpoint, by key; ``problems`` lists every file-level defect found while opening."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, strict: bool = True):
         self.root = Path(path)
-        index = self.root / "model.safetensors.index.json"
+        self.problems: list[str] = []
+        self.infos: dict[str, TensorInfo] = {}
+        self.weight_map: dict[str, str] = {}
+        index = self.root / INDEX
         if self.root.is_file():
-            self.root, files = self.root.parent, [self.root.name]
-            self.weight_map = {}
-            with safe_open(str(self.root / files[0]), "pt") as f:
-                self.weight_map = {k: files[0] for k in f.keys()}
+            self.root, shards = self.root.parent, [self.root.name]
         elif index.is_file():
-            self.weight_map = dict(json.loads(index.read_text())["weight_map"])
+            shards = self._read_index(index)
         elif (self.root / "model.safetensors").is_file():
-            with safe_open(str(self.root / "model.safetensors"), "pt") as f:
-                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+            shards = ["model.safetensors"]
         else:
-            raise FileNotFoundError(
-                f"{self.root}: no model.safetensors.index.json or model.safetensors; point at a checkpoint directory"
-            )
-        self._handles: dict[str, object] = {}
+            raise CheckpointError([f"no {INDEX} or model.safetensors here; point at a checkpoint directory"],
+                                  str(self.root))
+        seen: dict[str, str] = {}
+        for shard in shards:
+            p = self.root / shard
+            if not p.is_file():
+                self.problems.append(f"{shard}: missing shard (named in the index, not on disk); download it")
+                continue
+            infos, problems = read_header(p)
+            self.problems.extend(problems)
+            for key, info in infos.items():
+                if key in seen:
+                    self.problems.append(f"{key}: duplicated — stored in both {seen[key]} and {shard}; remove the "
+                                         "stale shard or fix the index")
+                    continue
+                seen[key] = shard
+                self.infos[key] = info
+        if index.is_file() and self.weight_map:
+            for key, shard in self.weight_map.items():
+                if shard in seen.values() and seen.get(key) != shard and key not in self.infos:
+                    self.problems.append(f"{key}: the index places it in {shard} but that shard does not hold it")
+            for key, shard in seen.items():
+                if key not in self.weight_map:
+                    self.problems.append(f"{key}: stored in {shard} but absent from the index; regenerate the index")
+        self.weight_map = {k: i.shard for k, i in self.infos.items()}
+        self._files: dict[str, object] = {}
+        if strict and self.problems:
+            raise CheckpointError(self.problems, str(self.root))
+
+    def _read_index(self, index: Path) -> list[str]:
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+            if not isinstance(wm, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError([f"{INDEX}: unreadable ({exc}); re-download it"], str(self.root)) from None
+        self.weight_map = dict(wm)
+        return sorted(set(wm.values()))
 
     def keys(self) -> list[str]:
-        return list(self.weight_map)
+        return list(self.infos)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.weight_map
+        return key in self.infos
 
-    def _handle(self, key: str):
-        shard = self.weight_map[key]
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.root / shard), "pt")
-        return self._handles[shard]
-
-    def get(self, key: str) -> torch.Tensor:
-        if key not in self.weight_map:
+    def info(self, key: str) -> TensorInfo:
+        if key not in self.infos:
             raise KeyError(f"tensor {key!r} is not in the checkpoint at {self.root}")
-        return self._handle(key).get_tensor(key)
+        return self.infos[key]
 
     def shape(self, key: str) -> list[int]:
-        return list(self._handle(key).get_slice(key).get_shape())
+        return list(self.info(key).shape)
+
+    def get(self, key: str) -> torch.Tensor:
+        info = self.info(key)
+        f = self._files.get(info.shard)
+        if f is None:
+            f = self._files[info.shard] = open(self.root / info.shard, "rb", buffering=0)
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        mv, got = memoryview(buf.numpy()), 0
+        while got < info.nbytes:  # one call moves at most ~2 GiB on Linux
+            n = os.preadv(f.fileno(), [mv[got:]], info.start + got)
+            if n <= 0:
+                break
+            got += n
+        if got != info.nbytes:
+            raise CheckpointError([f"{info.shard}: short read of {key!r} ({got} of {info.nbytes} bytes); the file "
+                                   "changed or is truncated"], str(self.root))
+        if info.dtype == torch.bool:
+            return buf.view(torch.bool).reshape(info.shape)
+        return buf.view(info.dtype).reshape(info.shape)
 
     def close(self) -> None:
-        self._handles.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
     def __enter__(self) -> "CheckpointReader":
         return self

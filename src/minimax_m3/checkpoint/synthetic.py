@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,9 +21,12 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import M3Config
+from . import formats as F
+from .mapping import release_shapes
 from .toy_tokenizer import write_toy_tokenizer
 
 LM = "language_model.model"
+EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 TINY_VISION = {
     "model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
     "num_attention_heads": 2, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
@@ -156,19 +160,63 @@ def write_checkpoint_dir(out: Path, config_dict: dict, tensors: list[tuple[str, 
     return out
 
 
+def quantize_items(c: M3Config, items: list[tuple[str, torch.Tensor]], fmt: str) -> tuple[list, dict, dict]:
+    """Quantize release tensors the way the published producers do; returns (items, quantization_config,
+    extra files). ``mxfp8``: every text Linear except routers (NVIDIA's MiniMax-M3-MXFP8). ``nvfp4``: routed experts
+    NVFP4 (w1/w3 of an expert share ``weight_scale_2``, ``input_scale`` = 1.0), everything else as MXFP8 (ModelOpt
+    ``MIXED_PRECISION``)."""
+    if fmt == "bf16":
+        return items, {}, {}
+    if fmt not in ("mxfp8", "nvfp4"):
+        raise ValueError(f"unknown format {fmt!r}; choose bf16, mxfp8 or nvfp4")
+    kinds = release_shapes(c)
+    tensors = dict(items)
+    gates = sorted(f"{LM}.layers.{i}.block_sparse_moe.gate" for i in range(c.num_layers) if c.moe_layers[i])
+    head = ["lm_head", "model.embed_tokens", "vision_tower", "multi_modal_projector", "patch_merge_mlp"]
+    out, layers = [], {}
+    for key, t in items:
+        if kinds.get(key, (None, ""))[1] != "linear":
+            out.append((key, t))
+            continue
+        module = key[: -len(".weight")]
+        if fmt == "nvfp4" and EXPERT.search(key):
+            partner = {"w1": "w3", "w3": "w1", "w2": "w2"}[key.rsplit(".", 2)[-2]]
+            s2 = F.nvfp4_global_scale(t, tensors[module[:-2] + partner + ".weight"])
+            packed, ws, s2 = F.nvfp4_quantize(t, s2)
+            out += [(key, packed), (module + ".weight_scale", ws), (module + ".weight_scale_2", s2),
+                    (module + ".input_scale", torch.tensor(1.0, dtype=torch.float32))]
+            layers[module] = {"quant_algo": "NVFP4", "group_size": F.NV_BLOCK}
+        else:
+            q, sc = F.mxfp8_quantize(t)
+            out += [(key, q), (module + ".weight_scale_inv", sc)]
+            layers[module] = {"quant_algo": "MXFP8"}
+    if fmt == "mxfp8":
+        qc = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, F.MX_BLOCK],
+              "ignored_layers": head + gates}
+        return out, qc, {}
+    quant = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "exclude_modules": head + gates,
+             "quantized_layers": layers}
+    hf = {"producer": {"name": "modelopt", "version": "synthetic"}, "quantization": quant}
+    return out, {**quant, "quant_method": "modelopt"}, {"hf_quant_config.json": json.dumps(hf, indent=2) + "\n"}
+
+
 def write_synthetic(out: str | Path, preset: str | M3Config = "tiny", seed: int = 0, num_shards: int | None = None,
-                    force: bool = False) -> Path:
-    """Write a bf16 synthetic checkpoint in the release layout; returns its directory."""
+                    force: bool = False, fmt: str = "bf16") -> Path:
+    """Write a synthetic checkpoint in the release layout (``fmt``: bf16, mxfp8 or nvfp4); returns its directory."""
     c = M3Config.preset(preset) if isinstance(preset, str) else preset
     if c.num_layers * c.hidden_size > 64 * 4096:
         raise ValueError("synthetic checkpoints are for CPU-sized presets (tiny, small); not the full model")
     items = list(text_tensors(c, seed)) + list(vision_tensors(c, TINY_VISION, seed))
+    items, qc, extra = quantize_items(c, items, fmt)
     if num_shards is None:
         num_shards = 2 if c.num_layers > 1 else 1
     gen = {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "do_sample": False}
+    config = c.to_release_dict(vision_config=dict(TINY_VISION))
+    if qc:
+        config["quantization_config"] = qc
     return write_checkpoint_dir(
-        Path(out), c.to_release_dict(vision_config=dict(TINY_VISION)), items, num_shards,
-        {"generation_config.json": json.dumps(gen, indent=2) + "\n"}, force=force,
+        Path(out), config, items, num_shards,
+        {"generation_config.json": json.dumps(gen, indent=2) + "\n", **extra}, force=force,
         finish=lambda d: write_toy_tokenizer(d, vocab_size=c.vocab_size, bos_token_id=c.bos_token_id,
                                              eos_token_id=c.eos_token_id),
     )
