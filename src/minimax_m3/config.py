@@ -98,12 +98,15 @@ class M3Config:
             kwargs, problems = _parse(raw)
         except (TypeError, ValueError, KeyError) as exc:  # malformed values (e.g. a string for a number)
             raise ConfigError([f"malformed value: {exc}"], source) from None
+        try:
+            config = cls(**kwargs)
+        except ConfigError as exc:  # report parse and consistency problems together
+            raise ConfigError(problems + exc.problems, source) from None
+        except TypeError as exc:
+            raise ConfigError(problems + [f"malformed value: {exc}"], source) from None
         if problems:
             raise ConfigError(problems, source)
-        try:
-            return cls(**kwargs)
-        except ConfigError as exc:
-            raise ConfigError(exc.problems, source) from None
+        return config
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "M3Config":

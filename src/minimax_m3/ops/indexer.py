@@ -37,14 +37,15 @@ def select_blocks(
 ) -> torch.Tensor:
     """Top-k block ids ``[B, G, Tq, min(topk, nblk)]`` (int64, ``-1`` for an empty slot).
 
-    Init blocks (``b < init_blocks``) and the query's own ``local_blocks`` most recent blocks are forced in
-    (as long as they are not in the future).
+    Future blocks never win. Init blocks (``b < init_blocks``) and the query's own ``local_blocks`` most recent
+    blocks are forced in (as long as they are not in the future).
     """
     b, g, tq, nblk = block_scores.shape
     blk = torch.arange(nblk, device=block_scores.device).view(1, 1, 1, nblk)
     q_block = (q_pos // block_size).view(b, 1, tq, 1)
-    forced = ((blk < init_blocks) | (blk > q_block - local_blocks)) & (blk <= q_block)
-    scores = block_scores.masked_fill(forced, float("inf"))
+    valid = blk <= q_block
+    forced = ((blk < init_blocks) | (blk > q_block - local_blocks)) & valid
+    scores = block_scores.masked_fill(~valid, float("-inf")).masked_fill(forced, float("inf"))
     vals, idx = torch.topk(scores, min(topk, nblk), dim=-1)
     return idx.masked_fill(vals == float("-inf"), -1)
 

@@ -89,6 +89,8 @@ class Attention(nn.Module):
         k = self._heads(x, self.k_proj, self.k_norm, c.num_kv_heads, c.head_dim, cos, sin)
         v = self.v_proj(x).view(b, s, c.num_kv_heads, c.head_dim).transpose(1, 2)
         kc, vc = cache.write_kv(layer, k, v, positions)
+        if decode and self.sparse:  # whole blocks, so the cache can be paged by block
+            kv_len = -(-kv_len // c.index_block_size) * c.index_block_size
         kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         sel = dict(block_size=c.index_block_size, topk=c.index_topk, init_blocks=c.index_init_blocks,
                    local_blocks=c.index_local_blocks)

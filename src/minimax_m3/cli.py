@@ -1,0 +1,157 @@
+"""The ``minimax-m3`` command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .config import ConfigError
+from .engine import BACKENDS, EngineInputError, GenerationConfig, load_engine
+
+# Packages that contribute sub-commands through a ``register(subparsers)`` function.
+COMMAND_MODULES = ()
+
+
+def _engine_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (or s3://bucket/prefix)")
+    if backend:
+        p.add_argument("--backend", default="reference", choices=BACKENDS)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default=None, help="cpu | cuda (default: the best local device)")
+    p.add_argument("--max-seq-len", type=int, default=4096)
+
+
+def _load(args):
+    kw = {"dtype": args.dtype, "max_seq_len": args.max_seq_len}
+    if args.device:
+        kw["device"] = args.device
+    return load_engine(args.model, backend=getattr(args, "backend", "reference"), **kw)
+
+
+def cmd_golden(args) -> None:
+    from .reference.golden import compute_golden, read_prompts, write_golden
+
+    prompts = read_prompts(args.prompts)
+    engine = _load(args)
+    t0 = time.perf_counter()
+    tensors = compute_golden(engine, prompts, args.decode_steps)
+    meta = {"model": str(args.model), "dtype": args.dtype, "decode_steps": str(args.decode_steps),
+            "backend": args.backend, "prompts": str(len(prompts))}
+    write_golden(tensors, args.out, meta)
+    print(f"golden: {len(prompts)} prompt(s), {args.decode_steps} decode steps -> {args.out} "
+          f"({time.perf_counter() - t0:.2f} s)")
+
+
+def _tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def cmd_generate(args) -> None:
+    engine = _load(args)
+    if args.prompt_ids:
+        ids = [int(t) for t in args.prompt_ids.split(",")]
+        tok = None
+    else:
+        tok = _tokenizer(args.model)
+        ids = tok(args.prompt)["input_ids"]
+    eos = (engine.config.eos_token_id,) if engine.config.eos_token_id is not None else ()
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed, eos_token_ids=eos)
+    res = engine.generate([ids], gen)[0]
+    text = tok.decode(res.tokens) if tok is not None else None
+    print(json.dumps({"prompt_tokens": len(ids), "tokens": res.tokens, "text": text,
+                      "finish_reason": res.finish_reason, **_timing(res)}, ensure_ascii=False))
+
+
+def _timing(res) -> dict:
+    steps = res.timings.get("decode_step_s", [])
+    med = sorted(steps)[len(steps) // 2] if steps else None
+    return {"prefill_ms": round(res.timings.get("prefill_s", 0) * 1e3, 2),
+            "decode_ms_per_token_median": None if med is None else round(med * 1e3, 2)}
+
+
+def cmd_demo(args) -> None:
+    from .checkpoint.synthetic import write_synthetic
+    from .reference.engine import ReferenceEngine, best_device
+
+    with tempfile.TemporaryDirectory(prefix="minimax-m3-demo-") as tmp:
+        out = Path(args.out) if args.out else Path(tmp) / f"synthetic-{args.preset}"
+        t0 = time.perf_counter()
+        write_synthetic(out, args.preset, seed=args.seed, force=bool(args.out))
+        print(f"demo: synthetic '{args.preset}' checkpoint (random weights) written to {out} "
+              f"in {time.perf_counter() - t0:.2f} s")
+        device = args.device or best_device()
+        engine = ReferenceEngine.from_pretrained(out, device=device, dtype=args.dtype, max_seq_len=4096)
+        c = engine.config
+        tok = _tokenizer(out)
+        text = "MiniMax Sparse Attention picks, per query and KV head, the most relevant key blocks. " * 4
+        ids = tok(text)["input_ids"]
+        print(f"demo: loaded on {device} ({args.dtype}); {c.num_layers} layers, {c.num_experts} experts top-"
+              f"{c.top_k}, sparse attention keeps {c.index_topk} blocks of {c.index_block_size} tokens")
+        res = engine.generate([ids], GenerationConfig(max_new_tokens=args.max_new_tokens))[0]
+        t = _timing(res)
+        blocks = -(-len(ids) // c.index_block_size)
+        print(f"demo: prompt {len(ids)} tokens ({blocks} blocks: sparse selection "
+              f"{'active' if blocks > c.index_topk else 'keeps every block'})")
+        print(f"demo: prefill {t['prefill_ms']} ms ({len(ids) / max(res.timings['prefill_s'], 1e-9):.0f} tok/s); "
+              f"decode {len(res.tokens)} tokens, median {t['decode_ms_per_token_median']} ms/token")
+        print(f"demo: generated ids {res.tokens}")
+        print(f"demo: text (random weights, so gibberish): {tok.decode(res.tokens)!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="minimax-m3", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("golden", help="write golden logits (prefill + cached decode) for PROMPTS.jsonl")
+    _engine_args(p)
+    p.add_argument("--prompts", required=True, help='JSONL, one {"input_ids": [...]} per line')
+    p.add_argument("--out", required=True, help="OUT.safetensors")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.set_defaults(func=cmd_golden)
+
+    p = sub.add_parser("generate", help="generate from a prompt")
+    _engine_args(p)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="text (tokenized with the checkpoint's tokenizer)")
+    g.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="synthesise a tiny checkpoint, load it, generate, print timings")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="keep the synthetic checkpoint here (default: a temp dir)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.set_defaults(func=cmd_demo)
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, EngineInputError, FileNotFoundError, FileExistsError) as exc:
+        print(f"minimax-m3 {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
