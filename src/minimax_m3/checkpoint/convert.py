@@ -1,0 +1,315 @@
+"""Streaming conversion: one rule at a time, one shard per unit (globals, then each layer), resumable, atomic.
+
+``convert(src, out, to="bf16" | "neuron")`` validates the source first (every problem, one error), plans every
+output tensor's name/shape/dtype by running the rule table on meta tensors, then writes each unit's shard header
+followed by its tensors as the rules produce them — so host memory holds one rule's sources and result (plus the
+tensor being written), never a whole checkpoint. Shards go to ``OUT.partial/`` as ``*.tmp`` and are renamed once
+complete and fsynced; a journal records each finished shard's size and CRC32, so a rerun of the same command skips
+(and re-verifies) them. ``OUT`` itself appears only when everything is written, by one rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import shutil
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import M3Config
+from .mapping import BF16, REFERENCE, RuleTable, apply_rule, layer_units, target_name, unit_rules
+from .reader import DTYPE_NAMES, INDEX
+from .source import Source
+from .validate import open_checkpoint
+
+JOURNAL = "convert-journal.json"
+AUDIT = "conversion_audit.json"
+SKIP_FILES = {INDEX, "config.json", "hf_quant_config.json", JOURNAL, AUDIT}
+
+
+class ConversionError(RuntimeError):
+    """A conversion that could not finish; the message says what was kept and how to resume."""
+
+
+def target_table(to: str, c: M3Config, tp: int = 1) -> RuleTable:
+    if to == "bf16":
+        return BF16
+    if to == "reference":
+        return REFERENCE
+    if to == "neuron":
+        try:
+            from . import nxdi_rules
+        except ImportError as exc:
+            raise ConversionError(f"--to neuron needs minimax_m3.checkpoint.nxdi_rules (the NxDI rule table): "
+                                  f"{exc}") from None
+        if hasattr(nxdi_rules, "nxdi_table"):
+            return nxdi_rules.nxdi_table(c, tp)
+        return RuleTable("neuron", tuple(nxdi_rules.NXDI_GLOBAL_RULES), tuple(nxdi_rules.NXDI_LAYER_RULES))
+    raise ConversionError(f"unknown target {to!r}; choose bf16, neuron or reference")
+
+
+@dataclass
+class Planned:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rule: object
+    unit: int | None
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class Plan:
+    """Every output tensor, grouped by unit, with the source keys each unit consumes."""
+
+    def __init__(self, source: Source, c: M3Config, table: RuleTable, dtype: torch.dtype):
+        self.source, self.c, self.table, self.dtype = source, c, table, dtype
+        keys = source.keys()
+        fp32 = lambda k: source.out_dtype(k) == torch.float32 and source.logical[k].encoding == "plain"  # noqa
+        meta = lambda k: torch.empty(source.logical[k].shape, dtype=source.out_dtype(k), device="meta")  # noqa
+        self.units: list[tuple[int | None, list[Planned]]] = []
+        self.consumed: dict[str, str] = {}  # logical source key -> first target using it
+        units = [None] + [u for u in layer_units(self.c) if u is not None]
+        for unit in units:
+            entries = []
+            for rule in unit_rules(c, unit, table, keys, fp32):
+                for k in _rule_sources(rule, unit, c):
+                    self.consumed.setdefault(k, target_name(rule, unit))
+                t = apply_rule(rule, unit, c, meta, dtype)
+                entries.append(Planned(target_name(rule, unit), tuple(t.shape), t.dtype, rule, unit))
+            if entries:
+                self.units.append((unit, entries))
+        n = len(self.units)
+        self.shards = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(self.table.name.encode())
+        for shard, (_, entries) in zip(self.shards, self.units):
+            h.update(shard.encode())
+            for e in entries:
+                h.update(f"{e.name}|{e.shape}|{e.dtype}".encode())
+        r = self.source.reader
+        for key in sorted(r.infos):
+            i = r.infos[key]
+            h.update(f"{key}|{i.shard}|{i.start}|{i.nbytes}|{i.dtype}".encode())
+        for shard in sorted({i.shard for i in r.infos.values()}):
+            st = (r.root / shard).stat()
+            h.update(f"{shard}|{st.st_size}|{st.st_mtime_ns}".encode())
+        return h.hexdigest()[:32]
+
+
+def _rule_sources(rule, unit, c) -> list[str]:
+    from .mapping import _flat, _sources
+
+    return _flat(_sources(t, unit, c) for t in rule.sources)
+
+
+def _header(entries: list[Planned]) -> bytes:
+    hdr, off = {"__metadata__": {"format": "pt"}}, 0
+    for e in entries:
+        hdr[e.name] = {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
+        off += e.nbytes
+    raw = json.dumps(hdr, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    flat = t.contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+Opener = Callable[[Path], object]
+
+
+def _write_shard(path: Path, entries: list[Planned], produce, opener: Opener) -> tuple[int, int]:
+    """Write header then tensors as ``produce(entry)`` yields them (written by a helper thread while the next
+    rule computes); returns (size, crc32). Removes the file on any failure."""
+    q: queue.Queue = queue.Queue(maxsize=1)
+    err: list[BaseException] = []
+    state = {"crc": 0, "size": 0}
+
+    def writer(f):
+        try:
+            while (item := q.get()) is not None:
+                mv = _bytes_view(item)
+                f.write(mv)
+                state["crc"] = zlib.crc32(mv, state["crc"])
+                state["size"] += len(mv)
+                del item, mv
+        except BaseException as exc:  # noqa: BLE001 — re-raised in the caller
+            err.append(exc)
+            while q.get() is not None:
+                pass
+
+    try:
+        with opener(path) as f:
+            head = _header(entries)
+            f.write(head)
+            state["crc"], state["size"] = zlib.crc32(head), len(head)
+            th = threading.Thread(target=writer, args=(f,), daemon=True)
+            th.start()
+            try:
+                for e in entries:
+                    if err:
+                        break
+                    t = produce(e)
+                    if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+                        raise ConversionError(f"{e.name}: produced {t.dtype}{list(t.shape)} but the plan says "
+                                              f"{e.dtype}{list(e.shape)} (a rule's transform is not shape-stable)")
+                    q.put(t)
+                    del t
+            finally:
+                q.put(None)
+                th.join()
+            if err:
+                raise err[0]
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return state["size"], state["crc"]
+
+
+def file_crc(path: Path, chunk: int = 1 << 24) -> int:
+    crc, buf = 0, bytearray(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(memoryview(buf)[:n], crc)
+    return crc
+
+
+def _save_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dtype = torch.bfloat16, tp: int = 1,
+            verify: bool = False, force: bool = False, progress: bool = True, opener: Opener | None = None,
+            config: M3Config | None = None):
+    """Convert ``src`` into ``out``; returns the :class:`~minimax_m3.checkpoint.audit.Audit` (checked when
+    ``verify``). ``opener(path)`` opens a shard for writing (tests inject failing writers)."""
+    from .audit import audit_conversion
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ConversionError(f"{out} exists and is not empty; choose another --out or pass --force")
+    report = open_checkpoint(src, config, deep=True)  # every problem, before any work
+    source, c = report.source, report.config
+    table = target_table(to, c, tp)
+    plan = Plan(source, c, table, dtype)
+    fp = plan.fingerprint()
+    stage = out.parent / (out.name + ".partial")
+    journal_path = stage / JOURNAL
+    done: dict = {}
+    if stage.exists():
+        try:
+            journal = json.loads(journal_path.read_text())
+        except (OSError, ValueError):
+            journal = {}
+        if journal.get("fingerprint") != fp:
+            if not force:
+                raise ConversionError(f"{stage} holds an unfinished conversion with different inputs or arguments; "
+                                      "rerun the same command to resume it, or pass --force to discard it")
+            shutil.rmtree(stage)
+        else:
+            done = journal.get("done", {})
+    stage.mkdir(parents=True, exist_ok=True)
+    for leftover in stage.glob("*.tmp"):
+        leftover.unlink()
+    opener = opener or (lambda p: open(p, "wb"))
+    cast_get = lambda k, dt: source.get(k, dt)  # noqa: E731
+    full_get = source.get
+    bar = _progress(sum(e.nbytes for _, es in plan.units for e in es), progress)
+    resumed = 0
+    try:
+        for shard, (unit, entries) in zip(plan.shards, plan.units):
+            size = sum(e.nbytes for e in entries)
+            path = stage / shard
+            rec = done.get(shard)
+            if rec and path.is_file() and path.stat().st_size == rec["size"] and file_crc(path) == rec["crc32"]:
+                resumed += 1
+                bar(size)
+                continue
+            done.pop(shard, None)
+
+            def produce(e: Planned):
+                t = apply_rule(e.rule, e.unit, c, full_get, dtype, cast_get)
+                bar(e.nbytes)
+                return t
+
+            tmp = path.with_name(path.name + ".tmp")
+            nbytes, crc = _write_shard(tmp, entries, produce, opener)
+            os.replace(tmp, path)
+            done[shard] = {"size": nbytes, "crc32": crc}
+            _save_json(journal_path, {"fingerprint": fp, "done": done})
+    except BaseException as exc:
+        source.reader.close()
+        kept = sorted(done)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise ConversionError(f"conversion stopped: {exc.__class__.__name__}: {exc}. {len(kept)} finished "
+                              f"shard(s) are kept, verified, in {stage} (no partial file, {out} untouched); rerun "
+                              f"the same command to resume, or delete {stage}") from exc
+    finally:
+        bar(None)
+    _finish(stage, report, plan, to)
+    aud = audit_conversion(source, plan, stage, done, resumed, check=verify)
+    if verify:
+        _save_json(stage / AUDIT, aud.to_dict())
+    journal_path.unlink(missing_ok=True)
+    source.reader.close()
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(stage, out)
+    aud.out = str(out)
+    if verify:
+        aud.raise_if_failed()
+    return aud
+
+
+def _finish(stage: Path, report, plan: Plan, to: str) -> None:
+    weight_map = {e.name: shard for shard, (_, es) in zip(plan.shards, plan.units) for e in es}
+    total = sum(e.nbytes for _, es in plan.units for e in es)
+    _save_json(stage / INDEX, {"metadata": {"total_size": total, "converted_to": to},
+                               "weight_map": dict(sorted(weight_map.items()))})
+    cfg = {k: v for k, v in report.raw_config.items() if k != "quantization_config"}
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if k != "quantization_config"}
+    _save_json(stage / "config.json", cfg)
+    root = report.source.reader.root
+    for p in sorted(root.iterdir()):
+        if p.is_file() and p.name not in SKIP_FILES and not p.name.endswith(".safetensors"):
+            shutil.copyfile(p, stage / p.name)
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return lambda n: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", leave=False)
+
+    def step(n):
+        if n is None:
+            bar.close()
+        else:
+            bar.update(n)
+    return step
