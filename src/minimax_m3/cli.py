@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from . import storage
 from .config import ConfigError
 from .engine import BACKENDS, EngineInputError, GenerationConfig, load_engine
 
@@ -24,25 +26,38 @@ def _engine_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default=None, help="cpu | cuda (default: the best local device)")
     p.add_argument("--max-seq-len", type=int, default=4096)
+    storage.add_storage_args(p)
 
 
 def _load(args):
     kw = {"dtype": args.dtype, "max_seq_len": args.max_seq_len}
     if args.device:
         kw["device"] = args.device
-    return load_engine(args.model, backend=getattr(args, "backend", "reference"), **kw)
+    model = storage.resolve(args.model, args.cache_dir)
+    return load_engine(str(model), backend=getattr(args, "backend", "reference"), **kw)
+
+
+def _upload_file(path: Path, uri: str | None) -> None:
+    """``--upload``: send one output file (staged alone in a directory) to ``uri`` with its manifest."""
+    if uri is None:
+        return
+    with tempfile.TemporaryDirectory() as stage:
+        shutil.copy2(path, stage)
+        storage.maybe_upload(stage, uri)
 
 
 def cmd_golden(args) -> None:
     from .reference.golden import compute_golden, read_prompts, write_golden
 
     prompts = read_prompts(args.prompts)
+    storage.check_upload_target(args.upload)
     engine = _load(args)
     t0 = time.perf_counter()
     tensors = compute_golden(engine, prompts, args.decode_steps)
     meta = {"model": str(args.model), "dtype": args.dtype, "decode_steps": str(args.decode_steps),
             "backend": args.backend, "prompts": str(len(prompts))}
     write_golden(tensors, args.out, meta)
+    _upload_file(Path(args.out), args.upload)
     print(f"golden: {len(prompts)} prompt(s), {args.decode_steps} decode steps -> {args.out} "
           f"({time.perf_counter() - t0:.2f} s)")
 
@@ -59,15 +74,20 @@ def cmd_generate(args) -> None:
         ids = [int(t) for t in args.prompt_ids.split(",")]
         tok = None
     else:
-        tok = _tokenizer(args.model)
+        tok = _tokenizer(storage.resolve(args.model, args.cache_dir))
         ids = tok(args.prompt)["input_ids"]
     eos = (engine.config.eos_token_id,) if engine.config.eos_token_id is not None else ()
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, eos_token_ids=eos)
     res = engine.generate([ids], gen)[0]
     text = tok.decode(res.tokens) if tok is not None else None
-    print(json.dumps({"prompt_tokens": len(ids), "tokens": res.tokens, "text": text,
-                      "finish_reason": res.finish_reason, **_timing(res)}, ensure_ascii=False))
+    record = json.dumps({"prompt_tokens": len(ids), "tokens": res.tokens, "text": text,
+                         "finish_reason": res.finish_reason, **_timing(res)}, ensure_ascii=False)
+    print(record)
+    if args.upload:
+        with tempfile.TemporaryDirectory() as stage:
+            (Path(stage) / "generation.json").write_text(record + "\n")
+            storage.maybe_upload(stage, args.upload)
 
 
 def _timing(res) -> dict:
@@ -147,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, EngineInputError, FileNotFoundError, FileExistsError) as exc:
+    except (ConfigError, EngineInputError, FileNotFoundError, FileExistsError, storage.StorageError) as exc:
         print(f"minimax-m3 {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0

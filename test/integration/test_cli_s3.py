@@ -1,0 +1,49 @@
+"""Commands take s3:// checkpoints and --upload s3:// destinations (moto's S3 server on loopback)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minimax_m3 import storage
+from minimax_m3.cli import main as cli
+from test.conftest import random_ids
+from test.unit.test_storage import bucket, s3_server  # noqa: F401  (fixtures: moto server + fresh bucket)
+
+
+def test_golden_from_s3_checkpoint_uploads_its_output(tiny_ckpt, bucket, tmp_path, capsys):  # noqa: F811
+    storage.upload(tiny_ckpt, f"s3://{bucket}/ckpt/tiny", quiet=True)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": random_ids(40, seed=1)}) + "\n")
+    local, remote = tmp_path / "local.safetensors", tmp_path / "remote.safetensors"
+    assert cli(["golden", "--model", str(tiny_ckpt), "--prompts", str(prompts), "--out", str(local),
+                "--decode-steps", "4", "--device", "cpu"]) == 0
+    assert cli(["golden", "--model", f"s3://{bucket}/ckpt/tiny", "--prompts", str(prompts), "--out", str(remote),
+                "--decode-steps", "4", "--device", "cpu", "--cache-dir", str(tmp_path / "cache"),
+                "--upload", f"s3://{bucket}/golden/run1"]) == 0
+    a, b = load_file(local), load_file(remote)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    back = storage.resolve(f"s3://{bucket}/golden/run1", tmp_path / "cache2", quiet=True)
+    assert (back / "remote.safetensors").read_bytes() == remote.read_bytes()
+
+
+def test_missing_s3_checkpoint_is_one_clear_error(bucket, tmp_path, capsys):  # noqa: F811
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    rc = cli(["golden", "--model", f"s3://{bucket}/nothing-here", "--prompts", str(prompts),
+              "--out", str(tmp_path / "g.safetensors"), "--cache-dir", str(tmp_path / "c")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"s3://{bucket}/nothing-here" in err and not (tmp_path / "g.safetensors").exists()
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ('{"input_ids": [1, 2]}\n{"ids": [3]}\n', "p.jsonl:2"),
+    ('{"input_ids": "abc"}\n', "input_ids must be a list of integers"),
+])
+def test_malformed_prompts_file(tiny_ckpt, tmp_path, capsys, bad, needle):
+    (tmp_path / "p.jsonl").write_text(bad)
+    rc = cli(["golden", "--model", str(tiny_ckpt), "--prompts", str(tmp_path / "p.jsonl"),
+              "--out", str(tmp_path / "g.safetensors")])
+    assert rc == 2 and needle in capsys.readouterr().err
