@@ -166,3 +166,20 @@ def test_limit_and_bad_input_fail_before_generating(env):
     with pytest.raises(LongBenchDataError, match=r"trec\.jsonl:1"):
         run(env, eng, tasks="hotpotqa,trec")
     assert eng.calls == []
+
+
+def test_v2_run(env):
+    REPLIES.update({"KEY-v0": "**The correct answer is (B)**", "KEY-v1": "<think>maybe A</think>I am not sure"})
+    (env.lb / "prompts").mkdir()
+    (env.lb / "prompts" / "0shot.txt").write_text("Text: $DOC$\nQ: $Q$\n(A) $C_A$ (B) $C_B$ (C) $C_C$ (D) $C_D$")
+    items = [{"_id": f"v{i}", "domain": "d", "difficulty": diff, "length": "short", "question": f"KEY-v{i}?", "answer": "B",
+              "context": " ctx ", **{f"choice_{k}": k.lower() for k in "ABCD"}} for i, diff in enumerate(["easy", "hard"])]
+    (env.data / "data.json").write_text(json.dumps(items))
+    eng = FakeEngine(env.tok)
+    report = run(env, eng, tasks="v2")
+    # v0: '*' removed -> "(B)" correct; v1: no answer after the thinking block -> None, wrong
+    assert report["tasks"]["v2"] == {"overall": 50.0, "easy": 100.0, "hard": 0.0, "short": 50.0, "medium": None,
+                                     "long": None, "n": 2, "n_unextracted": 1}  # fmt: skip
+    prompts, gen = eng.calls[0]
+    assert env.tok.decode(prompts[0]) == "<s><|user|>Text: ctx\nQ: KEY-v0?\n(A) a (B) b (C) c (D) d<|end|><|assistant|>"
+    assert gen.max_new_tokens == 128 and gen.temperature == 0.1
