@@ -1,0 +1,215 @@
+"""Capacity planner: per-rank HBM for a TP x EP layout, before anyone spends two hours compiling.
+
+``minimax-m3 plan --tp 64 --ep 64 --batch 32 --seq 8192 [--weights bf16|fp8]`` prints, for one rank (a logical
+NeuronCore; trn2.48xlarge at LNC=2 has 64 of them with 24 GiB HBM each), the bytes of
+
+* **weights**: embedding and LM head sharded over TP (vocab padded to a multiple of TP); attention with
+  ``num_heads / tp`` query heads and the KV heads split or replicated to TP (NxDI's ``REPLICATE_TO_TP_DEGREE``:
+  at TP=64 every rank holds one of the 4 KV heads); the indexer's query projection like the KV heads (rank r
+  needs only index head r // 16) and its single index-key head on every rank; dense MLPs and the shared expert
+  TP-sharded; routers (fp32, on every rank); routed experts ``num_experts / ep`` per rank, each sharded over
+  ``moe_tp = tp / ep``. ``--weights fp8`` stores routed experts as MXFP8 (1 byte + one E8M0 scale per 32),
+  everything else bf16.
+* **KV cache**: ``batch x seq`` tokens (seq rounded up to the indexer block) x layers x K and V of this rank's
+  KV heads.
+* **index-K cache**: ``batch x seq`` tokens x sparse layers x one index key (replicated on every rank).
+* **prefill working memory**, the peak of one context-encoding pass of ``ctx_batch x seq`` tokens: hidden
+  states (4 live copies, replicated without sequence parallelism), this rank's projections, one query tile of
+  fp32 scores and probabilities over all keys (block-sparse prefill keeps memory O(tile x S), never O(S^2)),
+  router scores, and NxDI's blockwise-MoE buffers (``ceil(T k / block) + local_experts - 1`` blocks of
+  ``block`` rows: gathered tokens, gate/up, output), plus the prefill logits.
+* a **runtime reserve** (scratchpad, instructions, runtime; an assumption, 3 GiB unless told).
+
+It is arithmetic from the config, not a measurement: nothing here has run on Trainium. Pure Python/torch; it
+imports nothing from NxDI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from ..config import M3Config
+
+GIB = 1024 ** 3
+HBM_PER_RANK_GIB = 24.0  # trn2 at LNC=2: one logical core's share of HBM
+BF16, FP32 = 2, 4
+MXFP8_BYTES = 1 + 1 / 32  # e4m3 value + one e8m0 scale per 32 values
+SHARD_ON_I_MULTIPLE = 256  # NxDI SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP (pads I/moe_tp with shard-on-I kernels)
+
+
+class PlanError(ValueError):
+    """A layout the model cannot be sharded into."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    tp: int
+    ep: int
+    batch: int
+    seq: int
+    ctx_batch: int
+    weights: str
+    kv_dtype: str
+    weight_bytes: int
+    kv_bytes: int
+    index_k_bytes: int
+    prefill_bytes: int
+    reserve_bytes: int
+    hbm_bytes: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.index_k_bytes + self.prefill_bytes + self.reserve_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.hbm_bytes
+
+
+def _heads_per_rank(heads: int, tp: int, what: str) -> int:
+    """Heads split over TP, or replicated up to TP (one per rank) when there are fewer heads than ranks."""
+    if heads >= tp:
+        if heads % tp:
+            raise PlanError(f"{what}: {heads} heads do not split over tp={tp}")
+        return heads // tp
+    if tp % heads:
+        raise PlanError(f"{what}: {heads} heads cannot be replicated evenly to tp={tp}")
+    return 1
+
+
+def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[int, dict[str, int]]:
+    """Per-rank weight bytes and their breakdown."""
+    if tp % ep or c.num_experts % ep:
+        raise PlanError(f"ep={ep} must divide tp={tp} and num_experts={c.num_experts}")
+    moe_tp = tp // ep
+    if c.intermediate_size % moe_tp or c.shared_intermediate_size % tp or c.dense_intermediate_size % tp:
+        raise PlanError(f"MLP widths must split over tp={tp} (experts over moe_tp={moe_tp})")
+    h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
+    q = _heads_per_rank(c.num_heads, tp, "query heads")
+    kv = _heads_per_rank(c.num_kv_heads, tp, "KV heads")
+    iq = _heads_per_rank(c.index_heads, tp, "index heads")
+    n_moe = sum(c.moe_layers)
+    n_sparse = sum(c.sparse_layers)
+    vocab = -(-c.vocab_size // tp) * tp
+    expert_bytes = MXFP8_BYTES if weights == "fp8" else BF16
+    parts = {
+        "embedding + lm_head": 2 * vocab // tp * h * BF16,
+        "attention": c.num_layers * (2 * q * d * h + 2 * kv * d * h + 2 * d) * BF16,
+        "indexer": n_sparse * ((iq + 1) * di * h + 2 * di) * BF16,
+        "norms": (2 * c.num_layers + 1) * h * BF16,
+        "dense MLPs": (c.num_layers - n_moe) * 3 * h * c.dense_intermediate_size // tp * BF16,
+        "shared experts": n_moe * 3 * h * c.shared_intermediate_size // tp * BF16,
+        "routers (fp32)": n_moe * (c.num_experts * h + c.num_experts) * FP32,
+        "routed experts": math.ceil(n_moe * (c.num_experts // ep) * 3 * h * (c.intermediate_size // moe_tp)
+                                    * expert_bytes),
+    }
+    return sum(parts.values()), parts
+
+
+def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
+         ctx_batch: int | None = None, tile: int = 256, moe_block: int = 512, reserve_gib: float = 3.0,
+         hbm_gib: float = HBM_PER_RANK_GIB) -> Plan:
+    """Per-rank HBM for serving ``batch`` sequences of up to ``seq`` tokens on a ``tp`` x ``ep`` layout."""
+    if weights not in ("bf16", "fp8") or kv_dtype not in ("bf16", "fp8"):
+        raise PlanError("weights and kv dtype are bf16 or fp8")
+    if min(tp, ep, batch, seq, tile, moe_block) < 1:
+        raise PlanError("tp, ep, batch, seq, tile and moe_block must be positive")
+    ctx_batch = batch if ctx_batch is None else ctx_batch
+    w, _ = weight_bytes(c, tp, ep, weights)
+    h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
+    q = _heads_per_rank(c.num_heads, tp, "query heads")
+    kv = _heads_per_rank(c.num_kv_heads, tp, "KV heads")
+    iq = _heads_per_rank(c.index_heads, tp, "index heads")
+    cache_len = -(-seq // c.index_block_size) * c.index_block_size
+    kvb = BF16 if kv_dtype == "bf16" else 1
+    kv_cache = batch * cache_len * c.num_layers * 2 * kv * d * kvb
+    index_k = batch * cache_len * sum(c.sparse_layers) * di * kvb
+
+    t = ctx_batch * seq
+    moe_tp, local_experts = tp // ep, c.num_experts // ep
+    rows = (-(-t * c.top_k // moe_block) + local_experts - 1) * moe_block
+    prefill = (
+        4 * t * h * BF16  # residual, normed input, attention output, MLP output
+        + t * (2 * q + 2 * kv) * d * BF16 + t * (iq + 1) * di * BF16  # q, k, v, attention out; index q, k
+        + ctx_batch * min(tile, seq) * seq * (2 * q * FP32 + iq * FP32 + kv)  # one tile: scores+probs, index, mask
+        + 2 * t * c.num_experts * FP32  # router logits and scores
+        + rows * (2 * h + 2 * c.intermediate_size // moe_tp) * BF16  # blockwise MoE: tokens in, gate/up, out
+        + ctx_batch * (-(-c.vocab_size // tp)) * FP32  # last-token logits
+    )
+    notes = []
+    i_tp = c.intermediate_size // moe_tp
+    if moe_tp > 1 and i_tp % SHARD_ON_I_MULTIPLE:
+        padded = -(-i_tp // SHARD_ON_I_MULTIPLE) * SHARD_ON_I_MULTIPLE
+        notes.append(f"shard-on-I MoE kernels would pad I/moe_tp from {i_tp} to {padded} (not counted above)")
+    if tp > c.num_kv_heads:
+        notes.append(f"each KV head is replicated on {tp // c.num_kv_heads} ranks and the index-K cache on all {tp}")
+    return Plan(tp, ep, batch, seq, ctx_batch, weights, kv_dtype, w, kv_cache, index_k, prefill,
+                int(reserve_gib * GIB), int(hbm_gib * GIB), tuple(notes))
+
+
+def format_plan(p: Plan, c: M3Config, parts: dict[str, int] | None = None) -> str:
+    gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
+    lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={p.tp // p.ep}), batch={p.batch}, seq={p.seq}, "
+             f"prefill batch={p.ctx_batch}, weights {p.weights}, KV {p.kv_dtype}; per rank:"]
+    lines.append(f"  weights              {gib(p.weight_bytes)}")
+    for name, n in (parts or {}).items():
+        lines.append(f"    {name:<19}{gib(n)}")
+    lines += [
+        f"  KV cache             {gib(p.kv_bytes)}",
+        f"  index-K cache        {gib(p.index_k_bytes)}",
+        f"  prefill working mem  {gib(p.prefill_bytes)}",
+        f"  runtime reserve      {gib(p.reserve_bytes)}  (assumed)",
+        f"  total                {gib(p.total_bytes)}  of {p.hbm_bytes / GIB:.2f} GiB per logical core",
+    ]
+    free = p.hbm_bytes - p.total_bytes
+    verdict = "FITS" if p.fits else "DOES NOT FIT"
+    lines.append(f"{verdict}: {'headroom' if p.fits else 'short by'} {abs(free) / GIB:.2f} GiB")
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--tp", type=int, default=64, help="tensor-parallel degree (ranks; default 64)")
+    ap.add_argument("--ep", type=int, default=64, help="expert-parallel degree for the MoE (default 64)")
+    ap.add_argument("--batch", type=int, required=True, help="sequences decoded together")
+    ap.add_argument("--seq", type=int, required=True, help="maximum tokens per sequence (prompt + output)")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="routed-expert weight format")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV and index-K cache dtype")
+    ap.add_argument("--ctx-batch", type=int, default=None, help="sequences prefilled together (default: batch)")
+    ap.add_argument("--reserve-gib", type=float, default=3.0, help="runtime/scratchpad reserve (default 3)")
+    ap.add_argument("--hbm-gib", type=float, default=HBM_PER_RANK_GIB, help="HBM per rank (default 24)")
+    ap.add_argument("--config", default=None, help="config.json or checkpoint folder (default: the M3 release)")
+
+
+def run(args: argparse.Namespace) -> int:
+    c = M3Config.from_pretrained(args.config) if args.config else M3Config.preset("m3")
+    try:
+        p = plan(c, args.tp, args.ep, args.batch, args.seq, args.weights, args.kv_dtype, args.ctx_batch,
+                 reserve_gib=args.reserve_gib, hbm_gib=args.hbm_gib)
+    except PlanError as e:
+        print(f"minimax-m3 plan: {e}")
+        return 2
+    print(format_plan(p, c, weight_bytes(c, args.tp, args.ep, args.weights)[1]))
+    return 0 if p.fits else 1
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``plan`` to the ``minimax-m3`` command; the handler is ``args.func(args)`` → exit code."""
+    ap = subparsers.add_parser("plan", help="per-rank HBM budget of a TP x EP layout on trn2 (no Neuron SDK)",
+                               description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    ap.set_defaults(func=run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="minimax-m3 plan")
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The capacity planner against hand-computed per-rank byte counts (arithmetic written out below)."""
+
+import pytest
+
+from minimax_m3.config import M3Config
+from minimax_m3.neuron.plan import GIB, PlanError, main, plan, weight_bytes
+
+M3 = M3Config.preset("m3")
+
+
+def test_m3_tp64_ep64_bf16_weights_by_hand():
+    _, parts = weight_bytes(M3, 64, 64, "bf16")
+    # 57 MoE layers x 2 local experts x (gate+up+down = 3 x 6144 x 3072) x 2 bytes
+    assert parts["routed experts"] == 57 * 2 * 56_623_104 * 2 == 12_910_067_712
+    # vocab 200064 = 3126 x 64; embedding and lm_head each 3126 x 6144 x 2 bytes
+    assert parts["embedding + lm_head"] == 2 * 3126 * 6144 * 2 == 76_824_576
+    # 60 layers x (q 128x6144 + o 6144x128 + k,v 1 head each = 4 x 786432, + q/k norm 256) x 2 bytes
+    assert parts["attention"] == 60 * (4 * 786_432 + 256) * 2 == 377_518_080
+    # 57 sparse layers x (index q, 1 head of 128 + index k 128, each x 6144 + norms 256) x 2 bytes
+    assert parts["indexer"] == 57 * (2 * 786_432 + 256) * 2 == 179_335_680
+    # 3 dense layers x 3 x 6144 x 12288 / 64 x 2 bytes
+    assert parts["dense MLPs"] == 3 * 3 * 6144 * 192 * 2 == 21_233_664
+    assert parts["shared experts"] == 57 * 3 * 6144 * 48 * 2 == 100_859_904
+    # routers in fp32: 57 x (128 x 6144 + 128) x 4 bytes
+    assert parts["routers (fp32)"] == 57 * (786_432 + 128) * 4 == 179_335_680
+    assert parts["norms"] == 121 * 6144 * 2
+    # the whole routed-expert set, 413.1 B params (perf_anchors §5.1), spread over 64 ranks
+    assert parts["routed experts"] * 64 / 2 == pytest.approx(413.1e9, rel=1e-3)
+
+
+def test_fp8_experts_by_hand():
+    _, parts = weight_bytes(M3, 64, 64, "fp8")
+    # 6,455,033,856 expert params per rank x (1 byte + 1/32 byte of e8m0 scale)
+    assert parts["routed experts"] == 6_455_033_856 + 6_455_033_856 // 32 == 6_656_753_664
+
+
+def test_caches_by_hand():
+    p = plan(M3, 64, 64, batch=4, seq=4000)  # rounded up to 4096 = 32 blocks of 128
+    # one KV head per rank: 4 x 4096 tokens x 60 layers x (K+V) x 128 x 2 bytes = 30 KiB per token
+    assert p.kv_bytes == 4 * 4096 * 60 * 2 * 128 * 2 == 4 * 4096 * 30_720
+    # index-K on every rank: 57 sparse layers x 128 x 2 bytes = 14.25 KiB per token
+    assert p.index_k_bytes == 4 * 4096 * 57 * 128 * 2 == 4 * 4096 * 14_592
+    fp8 = plan(M3, 64, 64, batch=4, seq=4096, kv_dtype="fp8")
+    assert fp8.kv_bytes * 2 == p.kv_bytes and fp8.index_k_bytes * 2 == p.index_k_bytes
+
+
+def test_prefill_working_memory_by_hand():
+    p = plan(M3, 64, 64, batch=1, seq=2048, tile=256, moe_block=512)
+    t = 2048
+    hidden = 4 * t * 6144 * 2
+    proj = t * (2 + 2) * 128 * 2 + t * 2 * 128 * 2
+    tile = 256 * 2048 * (2 * 4 + 4 + 1)
+    router = 2 * t * 128 * 4
+    rows = (t * 4 // 512 + 2 - 1) * 512  # 17 blocks of 512 rows
+    moe = rows * (2 * 6144 + 2 * 3072) * 2
+    logits = 3126 * 4
+    assert p.prefill_bytes == hidden + proj + tile + router + moe + logits == 433_598_680
+
+
+def test_verdicts():
+    assert plan(M3, 64, 64, batch=1, seq=4096).fits
+    # the published port's OOM at 8K x batch 8 (prefill of 64K tokens at once) is reproduced ...
+    assert not plan(M3, 64, 64, batch=8, seq=8192).fits
+    # ... and prefilling one sequence at a time fits
+    assert plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1).fits
+    # 1 x 128K in bf16: ~5.6 GiB of caches on top of ~12.9 GiB of weights and the reserve
+    big = plan(M3, 64, 64, batch=1, seq=131072)
+    assert big.kv_bytes + big.index_k_bytes == 131072 * (30_720 + 14_592)
+    # BF16 weights on one trn2 at 32 x 128K cannot fit; the arithmetic says so
+    assert not plan(M3, 64, 64, batch=32, seq=131072, weights="fp8", ctx_batch=1).fits
+    assert plan(M3, 64, 64, 1, 4096).total_bytes == sum(
+        getattr(plan(M3, 64, 64, 1, 4096), f) for f in
+        ("weight_bytes", "kv_bytes", "index_k_bytes", "prefill_bytes", "reserve_bytes"))
+
+
+def test_tp_smaller_than_kv_heads_and_bad_layouts():
+    tiny = M3Config.preset("tiny")
+    kv_heads = tiny.num_kv_heads
+    p = plan(tiny, kv_heads, 1, batch=1, seq=tiny.index_block_size)
+    assert p.kv_bytes == tiny.index_block_size * tiny.num_layers * 2 * 1 * tiny.head_dim * 2
+    with pytest.raises(PlanError):
+        plan(M3, 64, 48, 1, 128)  # ep must divide tp and the experts
+    with pytest.raises(PlanError):
+        plan(M3, 48, 16, 1, 128)  # 4 KV heads cannot be replicated evenly to 48 ranks
+
+
+def test_cli_exit_codes(capsys):
+    assert main(["--batch", "1", "--seq", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "FITS" in out and "index-K cache" in out and "of 24.00 GiB" in out
+    assert main(["--batch", "8", "--seq", "8192"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["--tp", "64", "--ep", "48", "--batch", "1", "--seq", "128"]) == 2
+    assert GIB == 2 ** 30
