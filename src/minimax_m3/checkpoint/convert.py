@@ -38,7 +38,7 @@ class ConversionError(RuntimeError):
     """A conversion that could not finish; the message says what was kept and how to resume."""
 
 
-def target_table(to: str, c: M3Config, tp: int = 1) -> RuleTable:
+def target_table(to: str, c: M3Config, tp: int = 1, fused_qkv: bool = False) -> RuleTable:
     if to == "bf16":
         return BF16
     if to == "reference":
@@ -49,9 +49,8 @@ def target_table(to: str, c: M3Config, tp: int = 1) -> RuleTable:
         except ImportError as exc:
             raise ConversionError(f"--to neuron needs minimax_m3.checkpoint.nxdi_rules (the NxDI rule table): "
                                   f"{exc}") from None
-        if hasattr(nxdi_rules, "nxdi_table"):
-            return nxdi_rules.nxdi_table(c, tp)
-        return RuleTable("neuron", tuple(nxdi_rules.NXDI_GLOBAL_RULES), tuple(nxdi_rules.NXDI_LAYER_RULES))
+        glob, layer = nxdi_rules.nxdi_rules(c, tp, fused_qkv)
+        return RuleTable("neuron", tuple(glob), tuple(layer))
     raise ConversionError(f"unknown target {to!r}; choose bf16, neuron or reference")
 
 
@@ -203,7 +202,7 @@ def _save_json(path: Path, obj) -> None:
 
 def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dtype = torch.bfloat16, tp: int = 1,
             verify: bool = False, force: bool = False, progress: bool = True, opener: Opener | None = None,
-            config: M3Config | None = None):
+            config: M3Config | None = None, fused_qkv: bool = False):
     """Convert ``src`` into ``out``; returns the :class:`~minimax_m3.checkpoint.audit.Audit` (checked when
     ``verify``). ``opener(path)`` opens a shard for writing (tests inject failing writers)."""
     from .audit import audit_conversion
@@ -213,7 +212,7 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
         raise ConversionError(f"{out} exists and is not empty; choose another --out or pass --force")
     report = open_checkpoint(src, config, deep=True)  # every problem, before any work
     source, c = report.source, report.config
-    table = target_table(to, c, tp)
+    table = target_table(to, c, tp, fused_qkv)
     plan = Plan(source, c, table, dtype)
     fp = plan.fingerprint()
     stage = out.parent / (out.name + ".partial")
@@ -313,3 +312,19 @@ def _progress(total: int, enabled: bool):
         else:
             bar.update(n)
     return step
+
+
+def stream_state_dict(src: str | Path, to: str = "neuron", dtype: torch.dtype = torch.bfloat16, tp: int = 1,
+                      config: M3Config | None = None, fused_qkv: bool = False):
+    """Validated, streamed ``(name, tensor)`` pairs of target ``to`` — one rule's tensors in memory at a time; the
+    backing for a streaming NxDI ``get_state_dict`` / ``convert_hf_to_neuron_state_dict``."""
+    report = open_checkpoint(src, config)
+    source, c = report.source, report.config
+    table = target_table(to, c, tp, fused_qkv)
+    fp32 = lambda k: source.out_dtype(k) == torch.float32 and source.logical[k].encoding == "plain"  # noqa: E731
+    try:
+        for unit in layer_units(c):
+            for rule in unit_rules(c, unit, table, source.keys(), fp32):
+                yield target_name(rule, unit), apply_rule(rule, unit, c, source.get, dtype, source.get)
+    finally:
+        source.reader.close()

@@ -190,10 +190,11 @@ def apply_rule(rule: Rule, unit: int | None, c: M3Config, get: Callable[..., tor
         srcs.append([fetch(k) for k in s] if isinstance(s, list) else fetch(s))
     t = rule.transform(srcs)
     del srcs
-    if rule.keep_fp32:
-        t = t.float()
-    elif dtype is not None:
-        t = t.to(dtype)
+    if t.is_floating_point():  # index tensors (e.g. rank_util.rank) keep their integer dtype
+        if rule.keep_fp32:
+            t = t.float()
+        elif dtype is not None:
+            t = t.to(dtype)
     return t.contiguous()
 
 
