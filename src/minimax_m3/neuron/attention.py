@@ -1,0 +1,136 @@
+"""MiniMax-M3 attention on NxDI's ``NeuronAttentionBase``, with MiniMax Sparse Attention in prefill and decode.
+
+* Per-head Gemma q/k norms (``+1`` folded, fp32 weights) through NxDI's ``q_layernorm``/``k_layernorm`` hook;
+  partial NeoX RoPE on the first ``rotary_dim`` channels (``apply_rotary_embedding`` override).
+* GQA sharding REPLICATE_TO_TP_DEGREE when ``tp > num_kv_heads`` (TP=64: rank r holds Q head r and KV head
+  r//16). The lightning indexer is sharded the same way: rank r computes only the index heads of the KV
+  groups it holds (``IndexQProjection`` replicates index heads across ranks like NxDI replicates K/V), plus
+  the single index-K head (replicated).
+* Prefill (every layer): ``perform_prefill`` → ``ops.prefill_attention`` — causal attention over query tiles
+  with boolean keep masks (True = attend); on sparse layers each tile's keep mask comes from the indexer's
+  top-k blocks per (query, KV group). Memory O(tile × S) per rank; no NKI kernel is involved, so no mask is
+  ever dropped. Causality comes from slot == position (right padding), not from NxDI's mask.
+* Decode (every layer): ``attention_tokengen`` → the new K/V/index-K are placed at their positions in copies
+  of the caches, then sparse layers score the cached index keys, take the top-k blocks and attend only to
+  those blocks gathered from the KV cache (``ops.select_blocks_for_queries``, ``ops.decode_attention_sparse``);
+  dense layers attend causally over the cache (``ops.decode_attention_dense``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
+from neuronx_distributed_inference.modules.attention.attention_base import (
+    FlashAttentionStrategy, NeuronAttentionBase, NeuronAttentionBaseOutput,
+)
+from torch import nn
+
+from .. import ops
+from .layers import GemmaNorm, PartialRope
+
+
+class IndexQProjection(ColumnParallelLinear):
+    """Index-query projection sharded by KV group. With ``tp > G`` index heads its preshard hook repeats each
+    head ``tp / G`` times (rank r gets head r // (tp/G), the head of its KV group); with ``tp <= G`` rank r
+    gets heads ``[r*G/tp, (r+1)*G/tp)`` — the KV heads it holds."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, tp: int, dtype: torch.dtype):
+        self.src_heads, self.head_dim_, self.tp = heads, head_dim, tp
+        super().__init__(hidden, max(heads, tp) * head_dim, bias=False, gather_output=False, dtype=dtype)
+
+    def preshard_hook(self, model_state_dict: dict, prefix: str) -> None:
+        if not prefix.endswith("weight") or prefix not in model_state_dict:
+            return
+        w = model_state_dict[prefix]
+        if self.tp > self.src_heads and w.shape[0] == self.src_heads * self.head_dim_:
+            w = w.view(self.src_heads, self.head_dim_, -1).repeat_interleave(self.tp // self.src_heads, dim=0)
+            model_state_dict[prefix] = w.reshape(self.tp * self.head_dim_, -1).contiguous()
+
+
+class NeuronMiniMaxM3Attention(NeuronAttentionBase):
+    def __init__(self, config, layer_idx: int):
+        c = config.m3_config()
+        super().__init__(
+            config=config, hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
+            num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+            rotary_emb=PartialRope(c.rotary_dim, c.rope_theta), rms_norm_eps=c.rms_norm_eps, use_qk_norm=False,
+            q_layernorm=GemmaNorm(c.head_dim, c.rms_norm_eps), k_layernorm=GemmaNorm(c.head_dim, c.rms_norm_eps),
+            softmax_scale=c.head_dim**0.5,  # NxDI divides by it
+        )
+        self.m3, self.layer_idx = c, layer_idx
+        self.sparse = bool(c.sparse_layers[layer_idx])
+        self.scale = c.softmax_scale
+        self.tile = getattr(config, "prefill_tile", 256)
+        self.sel = dict(block_size=c.index_block_size, topk=c.index_topk, init_blocks=c.index_init_blocks,
+                        local_blocks=c.index_local_blocks)
+        self._index = None
+        if self.sparse:
+            tp, dtype = config.neuron_config.tp_degree, self.torch_dtype
+            self.index_heads_local = max(1, c.index_heads // tp)
+            self.index_q_proj = IndexQProjection(c.hidden_size, c.index_heads, c.index_head_dim, tp, dtype)
+            self.index_k_proj = nn.Linear(c.hidden_size, c.index_head_dim, bias=False, dtype=dtype)
+            self.index_q_norm = GemmaNorm(c.index_head_dim, c.rms_norm_eps)
+            self.index_k_norm = GemmaNorm(c.index_head_dim, c.rms_norm_eps)
+
+    # ---- RoPE -------------------------------------------------------------------------------------
+    def apply_rotary_embedding(self, Q, K, V, position_ids, cos_cache, sin_cache, use_polar_compatible_rope):
+        if cos_cache is None or sin_cache is None:
+            cos_cache, sin_cache = self.rotary_emb(V, position_ids)
+        return ops.apply_rope(Q, cos_cache, sin_cache), ops.apply_rope(K, cos_cache, sin_cache), cos_cache, sin_cache
+
+    # ---- indexer ----------------------------------------------------------------------------------
+    def _index_heads(self, x, proj, norm, n, cos, sin):
+        b, s, _ = x.shape
+        y = norm(proj(x).view(b, s, n, self.m3.index_head_dim)).transpose(1, 2)
+        return ops.apply_rope(y, cos, sin)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, *args, **kwargs):
+        if not self.sparse:
+            return super().forward(hidden_states, attention_mask, position_ids, past_key_value, *args, **kwargs)
+        x = hidden_states.to(self.torch_dtype)
+        rot_pos = kwargs.get("rotary_position_ids")
+        rot_pos = position_ids if rot_pos is None else rot_pos
+        cos, sin = kwargs.get("cos_cache"), kwargs.get("sin_cache")
+        if cos is None or sin is None:
+            cos, sin = self.rotary_emb(x, rot_pos)
+            kwargs["cos_cache"], kwargs["sin_cache"] = cos, sin
+        iq = self._index_heads(x, self.index_q_proj, self.index_q_norm, self.index_heads_local, cos, sin)
+        ik = self._index_heads(x, self.index_k_proj, self.index_k_norm, 1, cos, sin)[:, 0]  # [B, S, Di]
+        self._index = (iq, ik, position_ids, None if past_key_value is None else past_key_value[2])
+        try:
+            out = super().forward(hidden_states, attention_mask, position_ids, past_key_value, *args, **kwargs)
+        finally:
+            self._index = None
+        k, v = out.present_key_value[0], out.present_key_value[1]
+        return NeuronAttentionBaseOutput(out.hidden_states, (k, v, ik), out.cos_cache, out.sin_cache, out.residual)
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def perform_prefill(self, Q, K, V, q_len, bsz, attention_mask):
+        if self.sparse:
+            iq, ik, _, _ = self._index
+            out = ops.prefill_attention(Q, K, V, self.scale, iq=iq, ik=ik, tile=self.tile, **self.sel)
+        else:
+            out = ops.prefill_attention(Q, K, V, self.scale, tile=self.tile)
+        return out, FlashAttentionStrategy.NONE
+
+    # ---- decode -----------------------------------------------------------------------------------
+    def attention_tokengen(self, Q, K, V, attention_mask, position_ids, past_key_value, active_mask, **kwargs):
+        if position_ids.shape[-1] != 1:
+            raise NotImplementedError("MiniMax-M3 decode takes one token per sequence (no speculation yet)")
+        bs = self.m3.index_block_size
+        kc, vc = past_key_value[0], past_key_value[1]
+        pad = (-kc.shape[2]) % bs  # decode pages the cache by whole blocks
+        if pad:
+            kc, vc = F.pad(kc, (0, 0, 0, pad)), F.pad(vc, (0, 0, 0, pad))
+        kc = ops.write_positions(kc.clone(), K.to(kc.dtype), position_ids, seq_dim=2)
+        vc = ops.write_positions(vc.clone(), V.to(vc.dtype), position_ids, seq_dim=2)
+        q_pos = position_ids[:, 0]
+        if not self.sparse:
+            return ops.decode_attention_dense(Q, kc, vc, q_pos, self.scale)
+        iq, ik, _, ikc = self._index
+        if pad:
+            ikc = F.pad(ikc, (0, 0, 0, pad))
+        ikc = ops.write_positions(ikc.clone(), ik.to(ikc.dtype), position_ids, seq_dim=1)
+        blocks = ops.select_blocks_for_queries(iq, ikc, position_ids, **self.sel)  # [B, G_local, 1, K]
+        return ops.decode_attention_sparse(Q, kc, vc, q_pos, blocks[:, :, 0], bs, self.scale)

@@ -1,0 +1,146 @@
+"""NxDI configuration classes for MiniMax-M3 (imports NxDI: load only when the neuron backend is used).
+
+``MiniMaxM3InferenceConfig`` keeps the parsed model description as a plain dict ``m3`` (the fields of
+:class:`minimax_m3.config.M3Config`) and derives every NxDI attribute from it in ``add_derived_config``, by
+assignment only, so NxDI's reload from ``neuron_config.json`` (which calls the constructor again with the
+already-derived values) gives the same config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig
+
+from ..config import M3Config
+
+log = logging.getLogger(__name__)
+
+_RAW_SKIP = ("neuron_config", "fused_spec_config", "metadata", "load_config")
+
+
+class MiniMaxM3NeuronConfig(MoENeuronConfig):
+    """``MoENeuronConfig`` with MiniMax-M3's SwiGLU-OAI expert activation as defaults.
+
+    NxD computes ``gate * sigmoid(1.702 * gate) * (up + 1)`` with gate clamped above at 7 and up clamped to
+    [-7, 7] when ``glu_type="swiglu"``, ``hidden_act="sigmoid"``, ``hidden_act_bias=1`` and the experts have
+    (zero) biases; ``add_derived_config`` re-reads alpha and the limit from the model's config.json."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("glu_mlp", True)
+        kwargs.setdefault("glu_type", "swiglu")
+        kwargs.setdefault("hidden_act_scaling_factor", 1.702)
+        kwargs.setdefault("hidden_act_bias", 1.0)
+        kwargs.setdefault("gate_clamp_upper_limit", 7.0)
+        kwargs.setdefault("gate_clamp_lower_limit", None)
+        kwargs.setdefault("up_clamp_upper_limit", 7.0)
+        kwargs.setdefault("up_clamp_lower_limit", -7.0)
+        kwargs.setdefault("padding_side", "right")
+        super().__init__(**kwargs)
+
+
+def m3_dict(c: M3Config) -> dict:
+    """JSON-friendly field dict of an ``M3Config`` (tuples become lists)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(c).items()}
+
+
+def load_m3_config(path: str | Path):
+    """An NxDI ``load_config`` hook reading ``config.json`` (either form) through :class:`M3Config`.
+
+    transformers 4.57 (NxDI's pin) does not know ``minimax_m3_vl``, so NxDI's ``load_pretrained_config``
+    cannot be used."""
+    c = M3Config.from_pretrained(path)
+    root = Path(path)
+
+    def hook(cfg: InferenceConfig) -> None:
+        cfg.m3 = m3_dict(c)
+        cfg._name_or_path = str(root if root.is_dir() else root.parent)
+
+    return hook
+
+
+class MiniMaxM3InferenceConfig(InferenceConfig):
+    def m3_config(self) -> M3Config:
+        return M3Config(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in self.m3.items()})
+
+    def add_derived_config(self):
+        if not hasattr(self, "m3"):  # built from raw config.json keys (nested or flat) passed as kwargs
+            raw = {k: v for k, v in vars(self).items() if k not in _RAW_SKIP}
+            self.m3 = m3_dict(M3Config.from_dict(raw, source="MiniMaxM3InferenceConfig"))
+        c = self.m3_config()
+        self.hidden_size = c.hidden_size
+        self.num_attention_heads = c.num_heads
+        self.num_key_value_heads = c.num_kv_heads
+        self.num_hidden_layers = c.num_layers
+        self.head_dim = c.head_dim
+        self.rotary_dim = c.rotary_dim
+        self.vocab_size = c.vocab_size
+        self.rms_norm_eps = c.rms_norm_eps
+        self.rope_theta = c.rope_theta
+        self.max_position_embeddings = c.max_position_embeddings
+        self.num_local_experts = c.num_experts
+        self.num_experts_per_tok = c.top_k
+        self.intermediate_size = c.intermediate_size  # per routed expert: what NxD's ExpertMLPsV2 reads
+        self.dense_intermediate_size = c.dense_intermediate_size
+        self.shared_intermediate_size = c.shared_intermediate_size
+        self.n_shared_experts = 0  # the shared expert is our own SwiGLU-OAI MLP, not NxD's SharedExperts
+        self.routed_scaling_factor = c.routed_scaling_factor
+        self.hidden_act = "sigmoid"  # NxD SWIGLU: gate * act(alpha * gate) * (up + bias)
+        self.tie_word_embeddings = c.tie_word_embeddings
+        self.pad_token_id = getattr(self, "pad_token_id", None) or 0
+        self.bos_token_id, self.eos_token_id = c.bos_token_id, c.eos_token_id
+        self.output_attentions, self.output_hidden_states, self.use_return_dict = False, False, True
+        self.num_cores_per_group = 1
+
+        nc = self.neuron_config
+        nc.glu_mlp, nc.glu_type = True, "swiglu"
+        nc.hidden_act_scaling_factor = c.swiglu_alpha
+        nc.hidden_act_bias = 1.0
+        nc.gate_clamp_upper_limit, nc.gate_clamp_lower_limit = c.swiglu_limit, None
+        nc.up_clamp_upper_limit, nc.up_clamp_lower_limit = c.swiglu_limit, -c.swiglu_limit
+        nc.router_config.act_fn = "sigmoid"
+        nc.router_config.dtype = torch.float32
+        nc.normalize_top_k_affinities = True
+        nc.disable_numeric_cc_token = True
+        if getattr(nc, "moe_fused_nki_kernel_enabled", None):
+            log.warning("moe_fused_nki_kernel_enabled ignored: NxD's fused MoE decode kernel routes without "
+                        "e_score_correction_bias and would change expert selection")
+        nc.moe_fused_nki_kernel_enabled = False
+        self.moe_fused_nki_kernel_enabled = False
+
+    def validate_config(self):
+        super().validate_config()
+        nc, c = self.neuron_config, self.m3_config()
+        problems = []
+        if nc.padding_side != "right":
+            problems.append("padding_side must be 'right' (sparse blocks are anchored at absolute positions)")
+        if nc.sequence_parallel_enabled and any(c.sparse_layers):
+            problems.append("sequence_parallel_enabled would give the indexer a sequence shard; keep it off")
+        if nc.is_continuous_batching or nc.kv_cache_batch_size != nc.batch_size:
+            problems.append("continuous batching / kv_cache_batch_size != batch_size: the index-K cache "
+                            "manager does not map seq_ids yet")
+        if nc.flash_decoding_enabled or nc.attn_block_tkg_nki_kernel_enabled or nc.k_cache_transposed:
+            problems.append("flash decoding / attn_block_tkg kernel / k_cache_transposed bypass the sparse "
+                            "decode path; keep them off")
+        if nc.hybrid_sharding_config is not None:
+            problems.append("hybrid_sharding_config shifts NxD's up clamp twice (+2); not supported")
+        if nc.cp_degree > 1 or nc.attention_dp_degree > 1:
+            problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
+        tp, g = nc.tp_degree, c.num_kv_heads
+        if not (tp % g == 0 or g % tp == 0):
+            problems.append(f"tp_degree {tp} and num_kv_heads {g}: one must divide the other "
+                            "(each rank needs whole KV groups, one index head per KV head)")
+        if problems:
+            raise ValueError("MiniMax-M3 NxDI config: " + "; ".join(problems))
+
+    def get_required_attributes(self):
+        return ["m3", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+                "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "num_local_experts",
+                "num_experts_per_tok", "intermediate_size"]
+
+    @classmethod
+    def get_neuron_config_cls(cls):
+        return MiniMaxM3NeuronConfig

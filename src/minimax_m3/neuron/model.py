@@ -1,0 +1,138 @@
+"""``NeuronMiniMaxM3Model`` (the traced graph) and ``NeuronMiniMaxM3ForCausalLM`` (NxDI application head)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding
+from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM, NeuronBaseModel
+from neuronx_distributed_inference.modules.generation.sampling import create_sampler
+from torch import nn
+
+from ..checkpoint import open_source
+from ..checkpoint.nxdi_rules import audit, convert_unit_nxdi, fp32_targets
+from .attention import NeuronMiniMaxM3Attention
+from .config import MiniMaxM3InferenceConfig
+from .kv_cache import M3KVCacheManager
+from .layers import GemmaNorm, SwiGLUOAIMLP
+from .moe import initialize_m3_moe_module
+
+log = logging.getLogger(__name__)
+
+
+class NeuronMiniMaxM3DecoderLayer(nn.Module):
+    def __init__(self, config: MiniMaxM3InferenceConfig, layer_idx: int):
+        super().__init__()
+        c = config.m3_config()
+        dtype = config.neuron_config.torch_dtype
+        self.input_layernorm = GemmaNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = GemmaNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = NeuronMiniMaxM3Attention(config, layer_idx)
+        self.is_moe = bool(c.moe_layers[layer_idx])
+        self.routed_scaling_factor = c.routed_scaling_factor
+        if self.is_moe:
+            self.moe = initialize_m3_moe_module(config)
+            self.shared_expert = SwiGLUOAIMLP(c.hidden_size, c.shared_intermediate_size, c.swiglu_alpha,
+                                              c.swiglu_limit, dtype)
+        else:
+            self.mlp = SwiGLUOAIMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
+                padding_mask=None, **kwargs):
+        residual = hidden_states
+        out = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                             position_ids=position_ids, past_key_value=past_key_value, **kwargs)
+        hidden_states = residual + out.hidden_states
+        h = self.post_attention_layernorm(hidden_states)
+        if self.is_moe:
+            routed = self.moe(h, padding_mask)[0]
+            mlp_out = routed * self.routed_scaling_factor + self.shared_expert(h)
+        else:
+            mlp_out = self.mlp(h)
+        return (hidden_states + mlp_out, out.present_key_value, out.cos_cache, out.sin_cache, None)
+
+
+class NeuronMiniMaxM3Model(NeuronBaseModel):
+    def setup_attr_for_model(self, config: MiniMaxM3InferenceConfig):
+        nc = config.neuron_config
+        self.on_device_sampling = nc.on_device_sampling_config is not None
+        self.tp_degree = nc.tp_degree
+        self.hidden_size = config.hidden_size
+        self.num_attention_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.max_batch_size = nc.max_batch_size
+        self.buckets = nc.buckets
+
+    def init_model(self, config: MiniMaxM3InferenceConfig):
+        c = config.m3_config()
+        dtype = config.neuron_config.torch_dtype
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = c.vocab_size
+        self.embed_tokens = ParallelEmbedding(c.vocab_size, c.hidden_size, self.padding_idx, dtype=dtype,
+                                              shard_across_embedding=True)
+        self.layers = nn.ModuleList(NeuronMiniMaxM3DecoderLayer(config, i) for i in range(c.num_layers))
+        self.norm = GemmaNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = ColumnParallelLinear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype,
+                                            gather_output=not self.on_device_sampling, pad=True)
+
+    def init_inference_optimization(self, config: MiniMaxM3InferenceConfig):
+        """As NxDI's, with the index-K cache added to the aliased cache list."""
+        if self.on_device_sampling:
+            tp = self.lm_head.tensor_parallel_group.size() if hasattr(self.lm_head, "tensor_parallel_group") else None
+            self.sampler = create_sampler(config.neuron_config, tp)
+        self.kv_mgr = M3KVCacheManager(config, num_kv_head=self.num_key_value_heads, global_rank=self.rank_util)
+
+
+def stream_state_dict(path, config: MiniMaxM3InferenceConfig) -> dict:
+    """Convert the release checkpoint at ``path`` to the NxDI state dict, one layer at a time (only the current
+    layer's release tensors are materialised besides the output), in the model dtype except the fp32 keys."""
+    c = config.m3_config()
+    nc = config.neuron_config
+    src = open_source(path, c)
+    report = audit(src.keys(), c, nc.tp_degree, nc.fused_qkv)
+    if report["unknown"] or report["missing"]:
+        raise ValueError(f"checkpoint at {path}: unknown keys {report['unknown'][:5]}, "
+                         f"missing keys {report['missing'][:5]}")
+    sd: dict[str, torch.Tensor] = {}
+    for unit in [None, *range(c.num_layers)]:
+        for name, t in convert_unit_nxdi(src.get, c, unit, nc.tp_degree, nc.torch_dtype, nc.fused_qkv):
+            sd[name] = t
+        gc.collect()
+    return sd
+
+
+class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
+    _model_cls = NeuronMiniMaxM3Model
+
+    @classmethod
+    def get_config_cls(cls):
+        return MiniMaxM3InferenceConfig
+
+    @staticmethod
+    def load_hf_model(model_path, **kwargs):
+        raise NotImplementedError("MiniMax-M3 weights are read from safetensors by minimax_m3.checkpoint")
+
+    @classmethod
+    def get_state_dict(cls, model_name_or_path: str, config: MiniMaxM3InferenceConfig) -> dict:
+        return stream_state_dict(model_name_or_path, config)
+
+    def checkpoint_loader_fn(self, mmap: bool = False):
+        """NxDI's loader casts every float tensor to the model dtype; ours keeps the fp32 keys (folded norms,
+        router weight, routing bias) float32 and casts the rest in the converter."""
+        path = getattr(self.config, "_name_or_path", None) or self.model_path
+        sd = self.get_state_dict(path, self.config)
+        keep = fp32_targets(self.config.m3_config(), self.neuron_config.tp_degree)
+        bad = [k for k in keep if k in sd and sd[k].dtype != torch.float32]
+        assert not bad, f"fp32 keys were cast: {bad[:3]}"
+        return sd
+
+    def get_compiler_args(self):
+        args = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1"
+                " --tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2'"
+                " --auto-cast=none --internal-enable-dge-levels vector_dynamic_offsets"
+                f" --lnc={self.neuron_config.logical_nc_config}")
+        if self.neuron_config.scratchpad_page_size:
+            args += f" --hbm-scratchpad-page-size={self.neuron_config.scratchpad_page_size}"
+        return args

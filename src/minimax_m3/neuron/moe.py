@@ -1,0 +1,79 @@
+"""MiniMax-M3 MoE on NxD: NxDI's ``initialize_moe_module`` with our router and a decode dispatch that works at
+any batch size with expert parallelism. Routed output × ``routed_scaling_factor`` + our shared expert is
+done by the decoder layer."""
+
+from __future__ import annotations
+
+import torch
+from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
+from neuronx_distributed.modules.moe.routing import RouterTopK
+from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_module
+from torch import nn
+
+from .. import ops
+from .layers import KeepFP32
+
+
+class M3Router(KeepFP32, RouterTopK):
+    """Sigmoid router in float32 with ``e_score_correction_bias`` used for selection only (``ops.route``).
+
+    Returns NxD's router contract ``(router_logits [T, E], expert_affinities [T, E], expert_index [T, k])``;
+    the affinities are the winners' sigmoid scores renormalised to 1 (zero elsewhere). The bias is an fp32
+    ``nn.Parameter`` initialised non-uniformly (a constant could be folded by the tracer) and, like the router
+    weight, kept float32 whatever the model dtype."""
+
+    _fp32_params = ("e_score_correction_bias",)
+
+    def __init__(self, **kwargs):
+        kwargs["dtype"] = torch.float32
+        kwargs["act_fn"] = "sigmoid"
+        super().__init__(**kwargs)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.arange(self.num_experts, dtype=torch.float32) * 1e-3, requires_grad=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        lin = self.linear_router
+        lin.weight.data = lin.weight.data.float()
+        if lin.bias is not None:
+            lin.bias.data = lin.bias.data.float()
+        return self
+
+    def forward(self, hidden_states: torch.Tensor):
+        x = hidden_states.reshape(-1, self.hidden_size)
+        logits = self.get_router_logits(x).float()
+        weights, experts = ops.route(x, self.linear_router.weight, self.e_score_correction_bias, self.top_k)
+        affinities = ops.combine_matrix(weights, experts, self.num_experts).to(hidden_states.dtype)
+        return logits, affinities, experts.to(torch.long)
+
+
+class M3ExpertMLPs(ExpertMLPsV2):
+    """``ExpertMLPsV2`` whose inference dispatch never takes selective loading with expert parallelism.
+
+    NxD picks selective loading when ``tokens * top_k / num_experts < 1`` and raises NotImplementedError for it
+    under EP>1 (batch < 32 at E=128, k=4). With EP each rank holds only E/EP experts, so running every local
+    expert on every token (``forward_all_experts_EP``) is both exact and cheap; we use it for those cases."""
+
+    def forward(self, hidden_states, expert_affinities, expert_index, seq_len, padding_mask=None,
+                expert_affinities_masked_full=None):
+        if not self.training and self.moe_expert_model_parallel_group.size() > 1:
+            cfg = self.routed_experts_mlp_config
+            few = hidden_states.shape[0] * cfg.top_k / cfg.num_experts < 1.0
+            if few or (seq_len > 1 and hidden_states.shape[0] * cfg.top_k < self.blockwise_matmul_config.block_size):
+                return self.forward_all_experts_EP(hidden_states, expert_affinities, expert_index)
+        return super().forward(hidden_states, expert_affinities, expert_index, seq_len, padding_mask=padding_mask,
+                               expert_affinities_masked_full=expert_affinities_masked_full)
+
+
+def initialize_m3_moe_module(config) -> nn.Module:
+    """NxDI's factory (SwiGLU-OAI via the neuron config, ``experts_bias=True`` so NxD adds the ``+1`` to the up
+    half, no fused TKG kernel, no NxD shared experts), then our router and expert dispatch."""
+    moe = initialize_moe_module(config=config, init_tkg_module=False, experts_bias=True)
+    old = moe.router
+    moe.router = M3Router(
+        num_experts=old.num_experts, top_k=old.top_k, hidden_size=old.hidden_size,
+        sequence_parallel_enabled=old.sequence_parallel_enabled, sequence_dimension=old.sequence_dimension,
+    )
+    # Our subclass adds only a dispatch rule; parameters, process groups and hooks are NxD's own.
+    moe.expert_mlps.__class__ = M3ExpertMLPs
+    return moe
