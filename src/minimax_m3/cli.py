@@ -16,7 +16,7 @@ from .config import ConfigError
 from .engine import BACKENDS, EngineInputError, GenerationConfig, load_engine
 
 # Packages that contribute sub-commands through a ``register(subparsers)`` function.
-COMMAND_MODULES = ()
+COMMAND_MODULES = ("minimax_m3.eval.commands",)
 
 
 def _engine_args(p: argparse.ArgumentParser, backend: bool = True) -> None:

@@ -54,11 +54,12 @@ def test_cached_decode_matches_beyond_the_sparse_point(ref_engine, hf_tiny):
 def test_sparse_selection_really_matters(tiny_ckpt, ref_engine):
     """The same weights with dense attention everywhere move the logits by orders of magnitude more than the
     tolerance: a port that silently runs dense attention fails the tests above."""
-    from minimax_m3.reference.loader import load_model
+    from minimax_m3.reference.loader import build_model
 
     c = ref_engine.config
     dense_cfg = c.replace(sparse_layers=(False,) * c.num_layers)
-    dense = ReferenceEngine(load_model(tiny_ckpt, config=dense_cfg))
+    state = {k: v for k, v in ref_engine.model.state_dict().items() if ".index_" not in k}
+    dense = ReferenceEngine(build_model(dense_cfg, state, "cpu"))
     ids = random_ids(160, seed=160)
     short = random_ids(24, seed=24)
     assert (dense.prefill_logits([ids])[0] - ref_engine.prefill_logits([ids])[0]).abs().max() > 100 * F32_TOL
