@@ -17,6 +17,24 @@ from .engine import BACKENDS, EngineInputError, GenerationConfig, load_engine
 
 # Packages that contribute sub-commands through a ``register(subparsers)`` function.
 COMMAND_MODULES = ("minimax_m3.eval.commands",)
+# Contributed commands that take s3:// inputs (argument names) and upload an output directory.
+STORAGE_WIRING = {"longbench": (("model", "tokenizer", "data", "longbench_dir"), "out")}
+
+
+def _with_storage(func, inputs: tuple[str, ...], output: str | None):
+    """Resolve ``s3://`` inputs to local copies before ``func`` runs; upload ``output`` after it."""
+
+    def run(args) -> None:
+        storage.check_upload_target(args.upload)
+        for name in inputs:
+            value = getattr(args, name, None)
+            if value is not None and storage.is_s3(str(value)):
+                setattr(args, name, str(storage.resolve(value, args.cache_dir)))
+        func(args)
+        if output is not None:
+            storage.maybe_upload(getattr(args, output), args.upload)
+
+    return run
 
 
 def _engine_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
@@ -160,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for command, (inputs, output) in STORAGE_WIRING.items():
+        p = sub.choices[command]
+        storage.add_storage_args(p)
+        p.set_defaults(func=_with_storage(p.get_default("func"), inputs, output))
     return ap
 
 
