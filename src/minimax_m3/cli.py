@@ -16,9 +16,13 @@ from .config import ConfigError
 from .engine import BACKENDS, EngineInputError, GenerationConfig, load_engine
 
 # Packages that contribute sub-commands through a ``register(subparsers)`` function.
-COMMAND_MODULES = ("minimax_m3.eval.commands",)
+COMMAND_MODULES = ("minimax_m3.checkpoint.commands", "minimax_m3.eval.commands", "minimax_m3.neuron.plan")
 # Contributed commands that take s3:// inputs (argument names) and upload an output directory.
-STORAGE_WIRING = {"longbench": (("model", "tokenizer", "data", "longbench_dir"), "out")}
+STORAGE_WIRING = {
+    "longbench": (("model", "tokenizer", "data", "longbench_dir"), "out"),
+    "convert": (("path",), "out"),
+    "inspect": (("path",), None),
+}
 
 
 def _with_storage(func, inputs: tuple[str, ...], output: str | None):
@@ -30,9 +34,10 @@ def _with_storage(func, inputs: tuple[str, ...], output: str | None):
             value = getattr(args, name, None)
             if value is not None and storage.is_s3(str(value)):
                 setattr(args, name, str(storage.resolve(value, args.cache_dir)))
-        func(args)
-        if output is not None:
+        rc = func(args)
+        if output is not None and not rc:
             storage.maybe_upload(getattr(args, output), args.upload)
+        return rc
 
     return run
 
@@ -188,11 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        rc = args.func(args)
     except (ConfigError, EngineInputError, FileNotFoundError, FileExistsError, storage.StorageError) as exc:
         print(f"minimax-m3 {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":
