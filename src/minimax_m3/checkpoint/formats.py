@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 MX_BLOCK = 32
@@ -28,6 +29,21 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 _E2M1_LUT = torch.tensor(E2M1_VALUES, dtype=torch.float32)
 # rows processed per step when dequantizing: bounds the float32 temporaries to a few MiB
 _CHUNK_ELEMS = 1 << 22
+
+
+_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_LUTS: dict = {}
+
+
+def _mx_lut(dtype: torch.dtype) -> np.ndarray:
+    """All 256 x 256 products ``e4m3(q) * 2^(s-127)`` (exact in float32), cast once to ``dtype``; index
+    ``s << 8 | q``. A lookup gives bit-for-bit what the element-wise formula gives, without float8 arithmetic."""
+    if dtype not in _LUTS:
+        q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+        s = e8m0_to_float(torch.arange(256, dtype=torch.uint8))
+        t = (s[:, None] * q[None, :]).to(dtype).reshape(-1)
+        _LUTS[dtype] = t.view(_INT_VIEW.get(dtype, dtype)).numpy().copy()
+    return _LUTS[dtype]
 
 
 class FormatError(ValueError):
@@ -134,20 +150,23 @@ def mxfp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     bad = int((scale == 255).sum())
     if bad:
         raise FormatError(f"{name}: {bad} E8M0 scale(s) are 255 (NaN); the checkpoint is corrupt — re-download it")
-    qv = q.reshape(-1, q.shape[-1])
-    sv = scale.reshape(-1, scale.shape[-1])
+    qv = q.reshape(-1, q.shape[-1]).view(torch.uint8).numpy()
+    sv = scale.reshape(-1, scale.shape[-1]).numpy()
     n = q.shape[-1]
     out = torch.empty(qv.shape, dtype=dtype)
+    lut = _mx_lut(dtype)
+    ov = out.view(_INT_VIEW.get(dtype, dtype)).numpy()
     rows = max(1, _CHUNK_ELEMS // max(1, n))
     full = (n // MX_BLOCK) * MX_BLOCK
+    nb = full // MX_BLOCK
     for r0 in range(0, qv.shape[0], rows):
-        s = e8m0_to_float(sv[r0:r0 + rows])
-        x = qv[r0:r0 + rows].to(torch.float32)
-        if full:
-            x[:, :full].unflatten(-1, (-1, MX_BLOCK)).mul_(s[:, : full // MX_BLOCK, None])
+        r1 = min(r0 + rows, qv.shape[0])
+        if full:  # one table lookup per element: index = scale << 8 | e4m3 byte
+            idx = (sv[r0:r1, :nb, None].astype(np.uint16) << 8) | qv[r0:r1, :full].reshape(r1 - r0, nb, MX_BLOCK)
+            np.take(lut, idx, out=ov[r0:r1, :full].reshape(r1 - r0, nb, MX_BLOCK), mode="clip")
         if full < n:
-            x[:, full:].mul_(s[:, -1:])
-        out[r0:r0 + rows] = x
+            idx = (sv[r0:r1, -1:].astype(np.uint16) << 8) | qv[r0:r1, full:]
+            ov[r0:r1, full:] = np.take(lut, idx)
     if int(scale.max()) >= 247 and not torch.isfinite(out).all():
         raise FormatError(f"{name}: dequantized values overflow {dtype}; scales up to {int(scale.max())} are "
                           "outside any real checkpoint's range — the file is corrupt")

@@ -29,14 +29,33 @@ def _cat0(ts: Sequence) -> torch.Tensor:
 
 
 def _experts_gate_up(ts: Sequence) -> torch.Tensor:
-    """w1 (gate) and w3 (up) per expert ``[I, H]`` → ``[E, H, 2I]`` gate first."""
+    """w1 (gate) and w3 (up) per expert ``[I, H]`` → ``[E, H, 2I]`` gate first.
+
+    Fills a preallocated result and releases each expert's sources as soon as they are copied, so the peak is about
+    one copy of the experts, not two or three."""
     gates, ups = ts
-    return torch.stack([torch.cat([g, u], dim=0).t() for g, u in zip(gates, ups)])
+    e, (i, h) = len(gates), tuple(gates[0].shape)
+    out = torch.empty((e, h, 2 * i), dtype=gates[0].dtype, device=gates[0].device)
+    scratch = torch.empty((2 * i, h), dtype=out.dtype, device=out.device)  # [gate; up], reused per expert
+    for k in range(e):
+        scratch[:i].copy_(gates[k])
+        scratch[i:].copy_(ups[k])
+        out[k].copy_(scratch.t())  # contiguous destination: torch's blocked transpose path
+        if isinstance(gates, list):
+            gates[k] = ups[k] = None
+    return out
 
 
 def _experts_down(ts: Sequence) -> torch.Tensor:
-    """w2 per expert ``[H, I]`` → ``[E, I, H]``."""
-    return torch.stack([d.t() for d in ts[0]])
+    """w2 per expert ``[H, I]`` → ``[E, I, H]`` (sources released as they are copied)."""
+    downs = ts[0]
+    e, (h, i) = len(downs), tuple(downs[0].shape)
+    out = torch.empty((e, i, h), dtype=downs[0].dtype, device=downs[0].device)
+    for k in range(e):
+        out[k].copy_(downs[k].t())
+        if isinstance(downs, list):
+            downs[k] = None
+    return out
 
 
 @dataclass(frozen=True)
