@@ -46,6 +46,9 @@ class NeuronEngine:
 
     @classmethod
     def from_pretrained(cls, model: str, on_cpu: bool = False, compiled_path: str | None = None, **kwargs):
+        kwargs.pop("device", None)
+        if "max_batch_size" in kwargs:
+            kwargs["batch_size"] = kwargs.pop("max_batch_size")
         nc = build_neuron_config(on_cpu=on_cpu, **kwargs)
         config = MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(model))
         app = NeuronMiniMaxM3ForCausalLM(model, config)
@@ -79,8 +82,8 @@ class NeuronEngine:
         return out.logits[:, -1].float()
 
     def _check(self, prompts):
-        if not prompts or len(prompts) > self.batch:
-            raise EngineInputError(f"give 1..{self.batch} prompts (the compiled batch size), got {len(prompts)}")
+        if not prompts:
+            raise EngineInputError("give at least one prompt")
         for p in prompts:
             if not 0 < len(p) <= self.ctx_len:
                 raise EngineInputError(f"prompt length {len(p)} outside 1..{self.ctx_len} (max_context_length)")
@@ -98,7 +101,14 @@ class NeuronEngine:
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig) -> list[GenerationResult]:
+        """Greedy or sampled generation, ``batch`` prompts per NxDI batch."""
         self._check(prompts)
+        out: list[GenerationResult] = []
+        for i in range(0, len(prompts), self.batch):
+            out.extend(self._generate(prompts[i:i + self.batch], gen))
+        return out
+
+    def _generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig) -> list[GenerationResult]:
         n = len(prompts)
         if max(len(p) for p in prompts) + gen.max_new_tokens > self.max_seq_len:
             raise EngineInputError(f"prompt + max_new_tokens exceeds max_seq_len {self.max_seq_len}")
@@ -126,7 +136,7 @@ class NeuronEngine:
                 break
             feed = torch.zeros(self.batch, dtype=torch.long)
             feed[:n] = nxt[:n]
-            logits = self._decode(feed, pos)[:n] if n == self.batch else self._decode(feed, pos)
+            logits = self._decode(feed, pos)
             pos = pos + 1
         total = time.perf_counter() - t0
         return [GenerationResult(tokens=toks[r], finish_reason=done[r] or "length",
