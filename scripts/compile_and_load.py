@@ -1,0 +1,16 @@
+#!/usr/bin/env python
+"""Compile MiniMax-M3 to NEFFs on trn2.48xlarge (TP=64, EP=64, LNC=2, explicit buckets, sharded weights saved),
+load, generate one prompt and print TTFT / ITL. ``--synthetic`` does the same for a tiny model at TP=2.
+
+Same code as ``minimax-m3 compile``. Not yet run on Trainium (see README, "what was verified where").
+
+    python scripts/compile_and_load.py --model /data/MiniMax-M3 --batch 8 --seq-len 4096
+    python scripts/compile_and_load.py --synthetic
+"""
+
+import sys
+
+from minimax_m3.neuron.compile import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""``minimax-m3 compile``: the CLI face of :mod:`minimax_m3.neuron.compile` (imports NxDI only when run).
+
+``minimax-m3 generate --backend neuron`` needs nothing here: it goes through ``engine.load_engine``.
+"""
+
+from __future__ import annotations
+
+
+def _run(args) -> int:
+    from . import _import
+
+    return _import("compile").run(args)
+
+
+def register(subparsers) -> None:
+    from .compile import add_args  # argparse only; compile.py imports NxDI inside run()
+
+    p = subparsers.add_parser("compile", help="compile NEFFs for Trainium (trn2: TP=64, EP=64, LNC=2), load, "
+                                              "generate and print TTFT/ITL; --synthetic for a TP=2 smoke check")
+    add_args(p)
+    p.set_defaults(func=_run)
