@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import formats as F
-from .reader import DTYPE_NAMES, CheckpointReader
+from .reader import DTYPE_NAMES, CheckpointError, CheckpointReader
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 COMPANIONS = (".weight_scale_inv", ".weight_scale_2", ".weight_scale", ".input_scale")
@@ -225,15 +225,23 @@ class Source:
         """Read every scale tensor (a few % of the bytes) and report NaN codes: E8M0 255, NaN E4M3, bad scale_2."""
         out = []
         for lg in self.logical.values():
-            if lg.encoding == "mxfp8":
-                s = self.reader.get(lg.files[1])
-                if s.dtype == torch.uint8 and (n := int((s == 255).sum())):
-                    out.append(f"{lg.files[1]}: {n} E8M0 scale(s) are 255 (NaN); the shard is corrupt, re-download it")
-            elif lg.encoding == "nvfp4" and all(f in self.reader for f in lg.files):
-                s = self.reader.get(lg.files[1])
-                if s.dtype == torch.float8_e4m3fn and (n := int(torch.isnan(s.float()).sum())):
-                    out.append(f"{lg.files[1]}: {n} NaN E4M3 scale(s); the shard is corrupt, re-download it")
-                s2 = self.reader.get(lg.files[2])
-                if s2.dtype == torch.float32 and s2.numel() == 1 and not (0 < float(s2) < float("inf")):
-                    out.append(f"{lg.files[2]}: weight_scale_2 is {float(s2)}; must be finite and > 0")
+            try:
+                out.extend(self._check_one(lg))
+            except (CheckpointError, KeyError):  # unreadable data: already reported as a file-level problem
+                continue
+        return out
+
+    def _check_one(self, lg: Logical) -> list[str]:
+        out = []
+        if lg.encoding == "mxfp8":
+            s = self.reader.get(lg.files[1])
+            if s.dtype == torch.uint8 and (n := int((s == 255).sum())):
+                out.append(f"{lg.files[1]}: {n} E8M0 scale(s) are 255 (NaN); the shard is corrupt, re-download it")
+        elif lg.encoding == "nvfp4" and all(f in self.reader for f in lg.files):
+            s = self.reader.get(lg.files[1])
+            if s.dtype == torch.float8_e4m3fn and (n := int(torch.isnan(s.float()).sum())):
+                out.append(f"{lg.files[1]}: {n} NaN E4M3 scale(s); the shard is corrupt, re-download it")
+            s2 = self.reader.get(lg.files[2])
+            if s2.dtype == torch.float32 and s2.numel() == 1 and not (0 < float(s2) < float("inf")):
+                out.append(f"{lg.files[2]}: weight_scale_2 is {float(s2)}; must be finite and > 0")
         return out
