@@ -1,4 +1,12 @@
-"""Routed experts for the reference backend: tokens sorted by expert, one matmul pair per used expert."""
+"""Routed experts for the reference backend: tokens sorted by expert, then grouped matrix multiplies.
+
+``torch._grouped_mm`` (CPU, and CUDA on Hopper+ in bfloat16) runs every local expert in one call per projection
+with the group offsets computed on the device: no Python loop over experts and no host synchronisation, so a
+decode step stays capturable in a CUDA graph. Where the device lacks it, a loop over the used experts (with one
+``.tolist()``) computes the same sums. Under expert parallelism a rank holds the contiguous experts
+``first_expert .. first_expert + E_local - 1``; tokens routed elsewhere contribute zero here (their rank adds them
+in the layer's all-reduce).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +15,59 @@ import torch
 from .. import ops
 from ..config import M3Config
 
+_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs on this device and dtype (probed once, then cached)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_OK:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                x = torch.zeros(32, 16, device=device, dtype=dtype)
+                w = torch.zeros(2, 16, 16, device=device, dtype=dtype)
+                torch._grouped_mm(x, w, offs=torch.tensor([16, 32], device=device, dtype=torch.int32))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_OK[key] = ok
+    return _GROUPED_OK[key]
+
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, c: M3Config) -> torch.Tensor:
-    """Sum over each token's chosen experts of ``weight * expert(x)`` (before routed scaling), ``[T, H]``.
+                   down: torch.Tensor, c: M3Config, first_expert: int = 0, grouped: bool | None = None
+                   ) -> torch.Tensor:
+    """Sum over each token's chosen (local) experts of ``weight * expert(x)`` (before routed scaling), ``[T, H]``.
 
-    Each expert's contribution is rounded to the activation dtype before it is accumulated, like
-    transformers' implementation."""
+    ``gate_up [E_local, H, 2I_local]`` (gate first), ``down [E_local, I_local, H]``. Each expert's contribution is
+    rounded to the activation dtype before the ``k`` contributions of a token are summed, like transformers.
+    ``grouped=None`` picks grouped matrix multiplies where the device has them.
+    """
+    if grouped is None:
+        grouped = grouped_mm_available(x.device, x.dtype)
     t, k = experts.shape
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tokens = order // k
-    w_sorted = weights.reshape(-1)[order]
-    counts = torch.bincount(flat, minlength=c.num_experts).tolist()  # host sync: fine for the reference
-    out = torch.zeros_like(x)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = tokens[start:start + n]
-        y = ops.expert_ffn(x[rows], gate_up[e], down[e], c.swiglu_alpha, c.swiglu_limit)
-        out.index_add_(0, rows, (y.float() * w_sorted[start:start + n, None]).to(x.dtype))
-        start += n
-    return out
+    n_local = gate_up.shape[0]
+    local = experts - first_expert
+    mine = (local >= 0) & (local < n_local)
+    key = torch.where(mine, local, n_local).reshape(-1)  # tokens of other ranks sort last
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=n_local + 1)
+    xs = x[order // k]
+    if grouped:
+        offs = counts[:n_local].cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(xs, gate_up, offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(ops.swiglu_oai(gate, up, c.swiglu_alpha, c.swiglu_limit), down, offs=offs)
+    else:
+        ys = torch.zeros(t * k, x.shape[-1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts[:n_local].tolist()):  # host sync: the fallback only
+            if n:
+                ys[start:start + n] = ops.expert_ffn(xs[start:start + n], gate_up[e], down[e], c.swiglu_alpha,
+                                                     c.swiglu_limit)
+            start += n
+    w_sorted = torch.where(mine.reshape(-1), weights.reshape(-1), 0.0)[order]
+    # rows past the last group's end are not written by grouped_mm: select, never multiply, them away
+    valid = (key[order] < n_local).unsqueeze(-1)
+    contrib = torch.where(valid, (ys.float() * w_sorted[:, None]).to(x.dtype), 0.0)
+    unsorted = torch.empty_like(contrib).index_copy_(0, order, contrib)  # back to (token, slot) order
+    return unsorted.view(t, k, -1).sum(dim=1)
