@@ -57,6 +57,10 @@ def test_index_head_replication_hook(results):
     assert results["index_hook_ok"], results
 
 
+def test_config_reload_is_idempotent_and_reads_raw_config_json(results):
+    assert results["config_reload_idempotent"] and results["config_from_raw"], results
+
+
 def _main(ck: str) -> None:  # runs inside the NxDI interpreter
     import standins
 
@@ -115,6 +119,21 @@ def _main(ck: str) -> None:  # runs inside the NxDI interpreter
     IndexQProjection.preshard_hook(fake, sd, "x.weight")
     expect = [0, 1, 2, 0, 1, 2, 3, 4, 5, 3, 4, 5]  # ranks 0,1 → head 0; ranks 2,3 → head 1
     out["index_hook_ok"] = sd["x.weight"].flatten().int().tolist() == expect
+    # NxDI reloads neuron_config.json by calling the constructor again: same config; raw config.json works
+    import tempfile
+
+    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
+    from minimax_m3.neuron.engine import build_neuron_config
+
+    c1 = MiniMaxM3InferenceConfig(build_neuron_config(tp_degree=1), load_config=load_m3_config(ck))
+    d = Path(tempfile.mkdtemp())
+    c1.save(d)
+    c2 = MiniMaxM3InferenceConfig.load(d)
+    c2.save(d / "again")
+    out["config_reload_idempotent"] = (json.loads((d / "neuron_config.json").read_text())
+                                       == json.loads((d / "again" / "neuron_config.json").read_text()))
+    raw = json.loads((Path(ck) / "config.json").read_text())
+    out["config_from_raw"] = MiniMaxM3InferenceConfig(build_neuron_config(tp_degree=1), **raw).m3_config() == c
     del ops
     print("RESULT " + json.dumps(out))
 
