@@ -235,7 +235,7 @@ class Source:
         out = []
         if lg.encoding == "mxfp8":
             s = self.reader.get(lg.files[1])
-            if s.dtype == torch.uint8 and (n := int((s == 255).sum())):
+            if s.dtype == torch.uint8 and s.numel() and int(s.max()) == 255 and (n := int((s == 255).sum())):
                 out.append(f"{lg.files[1]}: {n} E8M0 scale(s) are 255 (NaN); the shard is corrupt, re-download it")
         elif lg.encoding == "nvfp4" and all(f in self.reader for f in lg.files):
             s = self.reader.get(lg.files[1])
