@@ -2,7 +2,9 @@
 """Compile MiniMax-M3 to NEFFs on trn2.48xlarge (TP=64, EP=64, LNC=2, explicit buckets, sharded weights saved),
 load, generate one prompt and print TTFT / ITL. ``--synthetic`` does the same for a tiny model at TP=2.
 
-Same code as ``minimax-m3 compile``. Not yet run on Trainium (see README, "what was verified where").
+Same code as ``minimax-m3 compile`` (this script runs that command, so ``--model s3://...``,
+``--upload s3://...`` and ``--cache-dir`` work here too). Not yet run on Trainium (see README, "what was
+verified where").
 
     python scripts/compile_and_load.py --model /data/MiniMax-M3 --batch 8 --seq-len 4096
     python scripts/compile_and_load.py --synthetic
@@ -10,7 +12,7 @@ Same code as ``minimax-m3 compile``. Not yet run on Trainium (see README, "what 
 
 import sys
 
-from minimax_m3.neuron.compile import main
+from minimax_m3.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["compile", *sys.argv[1:]]))

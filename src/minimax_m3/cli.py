@@ -14,14 +14,17 @@ from pathlib import Path
 from . import storage
 from .config import ConfigError
 from .engine import BACKENDS, EngineInputError, GenerationConfig, load_engine
+from .neuron import NeuronUnavailableError
 
 # Packages that contribute sub-commands through a ``register(subparsers)`` function.
-COMMAND_MODULES = ("minimax_m3.checkpoint.commands", "minimax_m3.eval.commands", "minimax_m3.neuron.plan")
+COMMAND_MODULES = ("minimax_m3.checkpoint.commands", "minimax_m3.eval.commands", "minimax_m3.neuron.plan",
+                   "minimax_m3.neuron.commands")
 # Contributed commands that take s3:// inputs (argument names) and upload an output directory.
 STORAGE_WIRING = {
     "longbench": (("model", "tokenizer", "data", "longbench_dir"), "out"),
     "convert": (("path",), "out"),
     "inspect": (("path",), None),
+    "compile": (("model", "compiled"), "compiled"),  # --compiled s3://... is read only with --skip-compile
 }
 
 
@@ -31,6 +34,8 @@ def _with_storage(func, inputs: tuple[str, ...], output: str | None):
     def run(args) -> None:
         storage.check_upload_target(args.upload)
         for name in inputs:
+            if name == output and not getattr(args, "skip_compile", False):
+                continue  # an output directory that does not exist yet
             value = getattr(args, name, None)
             if value is not None and storage.is_s3(str(value)):
                 setattr(args, name, str(storage.resolve(value, args.cache_dir)))
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)
-    except (ConfigError, EngineInputError, FileNotFoundError, FileExistsError, storage.StorageError) as exc:
+    except (ConfigError, EngineInputError, FileNotFoundError, FileExistsError, storage.StorageError,
+            NeuronUnavailableError) as exc:
         print(f"minimax-m3 {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return rc if isinstance(rc, int) else 0

@@ -68,3 +68,15 @@ def test_longbench_reads_s3_model_and_uploads_its_report(bucket, tmp_path):  # n
                 "--cache-dir", str(tmp_path / "cache"), "--upload", f"s3://{bucket}/runs/trec"]) == 0
     back = storage.resolve(f"s3://{bucket}/runs/trec", tmp_path / "cache2", quiet=True)
     assert json.loads((back / "report.json").read_text()) == json.loads((out / "report.json").read_text())
+
+
+def test_neuron_commands_without_the_sdk_say_what_to_install(tiny_ckpt, capsys):
+    pytest.importorskip("minimax_m3.neuron")
+    from minimax_m3.neuron import sdk_available
+
+    if sdk_available():
+        pytest.skip("the Neuron SDK is importable here")
+    assert cli(["compile", "--synthetic"]) == 2
+    assert "Neuron SDK 2.29" in capsys.readouterr().err
+    assert cli(["generate", "--backend", "neuron", "--model", str(tiny_ckpt), "--prompt-ids", "1,2"]) == 2
+    assert "neuronx-distributed-inference" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 def _run(args) -> int:
     from . import _import
 
+    _import("config")  # without the Neuron SDK: one NeuronUnavailableError saying what to install
     return _import("compile").run(args)
 
 
