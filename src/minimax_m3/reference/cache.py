@@ -9,10 +9,12 @@ from ..config import M3Config
 
 
 class KVCache:
-    def __init__(self, c: M3Config, batch: int, max_len: int, dtype: torch.dtype, device, tile: int = 256):
+    def __init__(self, c: M3Config, batch: int, max_len: int, dtype: torch.dtype, device, tile: int = 256,
+                 kv_heads: int | None = None):
+        """``kv_heads``: the KV heads this rank holds (default: all of them)."""
         bs = c.index_block_size
         self.max_len = -(-max_len // bs) * bs  # whole blocks, so decode can page the cache by block
-        shape = (batch, c.num_kv_heads, self.max_len, c.head_dim)
+        shape = (batch, kv_heads or c.num_kv_heads, self.max_len, c.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
         self.index_k = {

@@ -11,9 +11,9 @@ import torch
 from .. import ops
 from ..config import M3Config
 from ..engine import EngineInputError, GenerationConfig, GenerationResult
-from .cache import KVCache
 from .loader import load_model
 from .model import M3Model
+from .parallel import ShardPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -48,11 +48,14 @@ class ReferenceEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | None = None, dtype: str | torch.dtype = "float32",
-                        max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256) -> "ReferenceEngine":
+                        max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
+                        plan: ShardPlan | None = None) -> "ReferenceEngine":
+        """``plan``: this rank's tensor/expert-parallel slice (see ``parallel.init_distributed``); every rank of the
+        process group must then make the same calls with the same inputs."""
         device = device or best_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineInputError("device 'cuda' requested but no CUDA device is available; use --device cpu")
-        model = load_model(path, device=device, dtype=resolve_dtype(dtype, device))
+        model = load_model(path, device=device, dtype=resolve_dtype(dtype, device), plan=plan)
         return cls(model, max_seq_len=max_seq_len, max_batch_size=max_batch_size, tile=tile)
 
     # ---- input checks --------------------------------------------------------------------
@@ -89,7 +92,7 @@ class ReferenceEngine:
             ids[i, :len(p)] = torch.tensor(p)
         ids = ids.to(self.device)
         positions = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
-        cache = KVCache(self.config, b, cache_len, self.dtype, self.device, tile=self.tile)
+        cache = self.model.new_cache(b, cache_len, tile=self.tile)
         last = None if all_logits else torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         logits = self.model(ids, positions, cache, s, decode=False, logits_at=last)
         return logits, cache

@@ -2,6 +2,9 @@
 
 Cache slot == token position for every sequence (a batch is aligned at position 0 and padded on the
 right internally), so block boundaries always follow each sequence's own content.
+
+With a :class:`ShardPlan` of ``world > 1`` every module holds one rank's slice (see ``parallel.py``) and the
+model all-reduces after ``o_proj`` and after the MLP, and gathers the vocabulary-parallel logits.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from .. import ops
 from ..config import M3Config
 from .cache import KVCache
 from .moe import routed_experts
+from .parallel import ShardPlan
 
 
 class Norm(nn.Module):
@@ -27,8 +31,11 @@ class Norm(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, c: M3Config, inter: int):
+    """Column/row-parallel SwiGLU MLP; returns this rank's partial sum (the caller all-reduces)."""
+
+    def __init__(self, c: M3Config, inter: int, plan: ShardPlan):
         super().__init__()
+        inter //= plan.world
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * inter, bias=False)  # [gate; up]
         self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
         self.alpha, self.limit = c.swiglu_alpha, c.swiglu_limit
@@ -38,41 +45,47 @@ class DenseMLP(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, c: M3Config):
+    def __init__(self, c: M3Config, plan: ShardPlan):
         super().__init__()
-        self.gate_up = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, 2 * c.intermediate_size))
-        self.down = nn.Parameter(torch.empty(c.num_experts, c.intermediate_size, c.hidden_size))
+        e, inter = len(plan.experts(c)), c.intermediate_size // plan.moe_tp
+        self.gate_up = nn.Parameter(torch.empty(e, c.hidden_size, 2 * inter))
+        self.down = nn.Parameter(torch.empty(e, inter, c.hidden_size))
 
 
 class MoE(nn.Module):
-    def __init__(self, c: M3Config):
+    def __init__(self, c: M3Config, plan: ShardPlan):
         super().__init__()
-        self.c = c
+        self.c, self.first_expert = c, plan.experts(c).start
         self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False, dtype=torch.float32)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(c.num_experts, dtype=torch.float32))
-        self.experts = Experts(c)
-        self.shared = DenseMLP(c, c.shared_intermediate_size)
+        self.experts = Experts(c, plan)
+        self.shared = DenseMLP(c, c.shared_intermediate_size, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = ops.route(x, self.router.weight, self.e_score_correction_bias, self.c.top_k)
-        routed = routed_experts(x, weights, experts, self.experts.gate_up, self.experts.down, self.c)
+        routed = routed_experts(x, weights, experts, self.experts.gate_up, self.experts.down, self.c,
+                                self.first_expert)
         return (routed * self.c.routed_scaling_factor + self.shared(x)).view(shape)
 
 
 class Attention(nn.Module):
-    def __init__(self, c: M3Config, sparse: bool):
+    """This rank's query heads, its KV heads (a slice, or one replicated head) and their index heads; returns
+    the partial ``o_proj`` sum (the caller all-reduces)."""
+
+    def __init__(self, c: M3Config, sparse: bool, plan: ShardPlan):
         super().__init__()
         self.c, self.sparse = c, sparse
+        self.nq, self.nkv = len(plan.q_heads(c)), len(plan.kv_heads(c))
         h, d = c.hidden_size, c.head_dim
-        self.q_proj = nn.Linear(h, c.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
+        self.q_proj = nn.Linear(h, self.nq * d, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * d, bias=False)
+        self.o_proj = nn.Linear(self.nq * d, h, bias=False)
         self.q_norm, self.k_norm = Norm(d, c.rms_norm_eps), Norm(d, c.rms_norm_eps)
         if sparse:
-            self.index_q_proj = nn.Linear(h, c.index_heads * c.index_head_dim, bias=False)
+            self.index_q_proj = nn.Linear(h, self.nkv * c.index_head_dim, bias=False)  # index head g ↔ KV head g
             self.index_k_proj = nn.Linear(h, c.index_head_dim, bias=False)
             self.index_q_norm = Norm(c.index_head_dim, c.rms_norm_eps)
             self.index_k_norm = Norm(c.index_head_dim, c.rms_norm_eps)
@@ -85,9 +98,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, decode: bool):
         c = self.c
         b, s, _ = x.shape
-        q = self._heads(x, self.q_proj, self.q_norm, c.num_heads, c.head_dim, cos, sin)
-        k = self._heads(x, self.k_proj, self.k_norm, c.num_kv_heads, c.head_dim, cos, sin)
-        v = self.v_proj(x).view(b, s, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = self._heads(x, self.q_proj, self.q_norm, self.nq, c.head_dim, cos, sin)
+        k = self._heads(x, self.k_proj, self.k_norm, self.nkv, c.head_dim, cos, sin)
+        v = self.v_proj(x).view(b, s, self.nkv, c.head_dim).transpose(1, 2)
         kc, vc = cache.write_kv(layer, k, v, positions)
         if decode and self.sparse:  # whole blocks, so the cache can be paged by block
             kv_len = -(-kv_len // c.index_block_size) * c.index_block_size
@@ -95,7 +108,7 @@ class Attention(nn.Module):
         sel = dict(block_size=c.index_block_size, topk=c.index_topk, init_blocks=c.index_init_blocks,
                    local_blocks=c.index_local_blocks)
         if self.sparse:
-            iq = self._heads(x, self.index_q_proj, self.index_q_norm, c.index_heads, c.index_head_dim, cos, sin)
+            iq = self._heads(x, self.index_q_proj, self.index_q_norm, self.nkv, c.index_head_dim, cos, sin)
             ik = self._heads(x, self.index_k_proj, self.index_k_norm, 1, c.index_head_dim, cos, sin)[:, 0]
             ikc = cache.write_index_k(layer, ik, positions)[:, :kv_len]
         if not decode:  # prefill from position 0: keys are this call's own tokens
@@ -110,35 +123,40 @@ class Attention(nn.Module):
                                               c.softmax_scale)
         else:
             out = ops.decode_attention_dense(q, kc, vc, positions[:, 0], c.softmax_scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, c.num_heads * c.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nq * c.head_dim))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: M3Config, i: int):
+    def __init__(self, c: M3Config, i: int, plan: ShardPlan):
         super().__init__()
         self.input_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
-        self.attn = Attention(c, c.sparse_layers[i])
+        self.attn = Attention(c, c.sparse_layers[i], plan)
         if c.moe_layers[i]:
-            self.moe = MoE(c)
+            self.moe = MoE(c, plan)
         else:
-            self.mlp = DenseMLP(c, c.dense_intermediate_size)
-        self.i = i
+            self.mlp = DenseMLP(c, c.dense_intermediate_size, plan)
+        self.i, self.plan = i, plan
 
     def forward(self, x, cos, sin, positions, cache, kv_len, decode):
-        x = x + self.attn(self.input_layernorm(x), cos, sin, positions, cache, self.i, kv_len, decode)
+        attn = self.attn(self.input_layernorm(x), cos, sin, positions, cache, self.i, kv_len, decode)
+        x = x + self.plan.all_reduce(attn)
         h = self.post_attention_layernorm(x)
-        return x + (self.moe(h) if hasattr(self, "moe") else self.mlp(h))
+        return x + self.plan.all_reduce(self.moe(h) if hasattr(self, "moe") else self.mlp(h))
 
 
 class M3Model(nn.Module):
-    def __init__(self, c: M3Config):
+    def __init__(self, c: M3Config, plan: ShardPlan | None = None):
         super().__init__()
-        self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
+        plan = plan or ShardPlan()
+        plan.check(c)
+        self.config, self.plan = c, plan
+        self.local_kv_heads = len(plan.kv_heads(c))
+        vocab = len(plan.vocab(c))
+        self.embed_tokens = nn.Embedding(vocab, c.hidden_size)  # vocabulary-parallel rows
+        self.layers = nn.ModuleList(DecoderLayer(c, i, plan) for i in range(c.num_layers))
         self.norm = Norm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = nn.Linear(c.hidden_size, vocab, bias=False)
         self.register_buffer("inv_freq", ops.rope_inv_freq(c.rotary_dim, c.rope_theta), persistent=False)
 
     @torch.no_grad()
@@ -147,10 +165,23 @@ class M3Model(nn.Module):
         """Hidden states → float32 logits. ``ids, positions [B, S]``; prefill starts at position 0.
 
         ``logits_at [B]`` picks one position per row (saves the lm_head over the whole prompt)."""
-        x = self.embed_tokens(ids)
+        x = self._embed(ids)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, positions, cache, kv_len, decode)
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
-        return F.linear(self.norm(x), self.lm_head.weight).float()
+        return self.plan.all_gather_last(F.linear(self.norm(x), self.lm_head.weight).float())
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.plan.world == 1:
+            return self.embed_tokens(ids)
+        local = ids - self.plan.vocab(self.config).start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(mine, local, 0))
+        return self.plan.all_reduce(torch.where(mine.unsqueeze(-1), x, 0.0))
+
+    def new_cache(self, batch: int, max_len: int, tile: int = 256) -> KVCache:
+        """An empty cache for this rank's KV heads, on the model's device and dtype."""
+        w = self.lm_head.weight
+        return KVCache(self.config, batch, max_len, w.dtype, w.device, tile=tile, kv_heads=self.local_kv_heads)

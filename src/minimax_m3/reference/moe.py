@@ -51,7 +51,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     mine = (local >= 0) & (local < n_local)
     key = torch.where(mine, local, n_local).reshape(-1)  # tokens of other ranks sort last
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=n_local + 1)
+    counts = torch.zeros(n_local + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     xs = x[order // k]
     if grouped:
         offs = counts[:n_local].cumsum(0).to(torch.int32)
@@ -68,6 +68,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     w_sorted = torch.where(mine.reshape(-1), weights.reshape(-1), 0.0)[order]
     # rows past the last group's end are not written by grouped_mm: select, never multiply, them away
     valid = (key[order] < n_local).unsqueeze(-1)
-    contrib = torch.where(valid, (ys.float() * w_sorted[:, None]).to(x.dtype), 0.0)
+    wide = torch.promote_types(ys.dtype, torch.float32)  # float32 math for bf16; float64 stays float64
+    contrib = torch.where(valid, (ys.to(wide) * w_sorted[:, None]).to(x.dtype), 0.0)
     unsorted = torch.empty_like(contrib).index_copy_(0, order, contrib)  # back to (token, slot) order
     return unsorted.view(t, k, -1).sum(dim=1)
