@@ -62,6 +62,9 @@ class NeuronEngine:
         return cls(app, config.m3_config())
 
     # ---- one NxDI call ---------------------------------------------------------------------------
+    # no autograd: in CPU mode the weights require grad and the caches chain every step's graph (~250 MB
+    # per tiny-model prefill kept alive, unbounded); on device the traced graph has none.
+    @torch.no_grad()
     def _prefill(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """Prefill up to ``batch`` rows (cache reset first); returns last-token logits ``[len(rows), V]``."""
         ids = torch.zeros(self.batch, self.ctx_len, dtype=torch.long)
@@ -76,6 +79,7 @@ class NeuronEngine:
                        seq_ids=torch.arange(self.batch))
         return out.logits[: len(rows), -1].float()
 
+    @torch.no_grad()
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.app(input_ids=tokens.view(-1, 1), position_ids=positions.view(-1, 1),
                        seq_ids=torch.arange(self.batch))
