@@ -80,9 +80,13 @@ def _child(code: str, *args: str) -> tuple[float, int]:
     return out["seconds"], out["rss"]
 
 
+# VmHWM (peak resident set of this process image; reset by exec, unlike ru_maxrss which a child inherits from
+# the parent that forked it)
 _TAIL = """
-import json, resource
-print(json.dumps({"seconds": time.perf_counter() - t0, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+import json
+dt = time.perf_counter() - t0
+hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]
+print(json.dumps({"seconds": dt, "rss": int(hwm) * 1024}))
 """
 COPY = """
 import os, shutil, sys, time
@@ -122,13 +126,16 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--keep", default=None, help="build (or reuse) the checkpoints here and keep them")
     a = ap.parse_args()
     c = bench_config(a.hidden, a.experts, a.layers)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=a.dir))
+    tmp = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="bench-convert-", dir=a.dir))
     try:
         t = time.perf_counter()
         for fmt in ("bf16", "mxfp8"):
-            write_streamed(tmp / fmt, c, fmt)
+            if not (tmp / fmt / "config.json").is_file():
+                shutil.rmtree(tmp / fmt, ignore_errors=True)
+                write_streamed(tmp / fmt, c, fmt)
         print(f"built checkpoints in {time.perf_counter() - t:.0f} s: bf16 {_size(tmp / 'bf16') / 1e9:.2f} GB, "
               f"mxfp8 {_size(tmp / 'mxfp8') / 1e9:.2f} GB ({tmp})")
         _, idle = _child(IDLE)
@@ -154,7 +161,10 @@ def main() -> None:
             print(f"{'':>{len(name)}}  peak RSS {rss / 1e9:.2f} GB vs largest layer {layer / 1e9:.2f} GB = "
                   f"{rss / layer:.2f}x (target <= 1.5); above idle {(rss - idle) / layer:.2f}x")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for d in ("copy", "out") if a.keep else ():
+            shutil.rmtree(tmp / d, ignore_errors=True)
+        if not a.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
