@@ -138,6 +138,10 @@ def install() -> None:
     _INSTALLED = True
 
 
+def installed() -> bool:
+    return _INSTALLED
+
+
 def add_sources() -> tuple[str, str]:
     """Put ``$NXDI_SRC`` and ``$NXD_SRC`` (the ``src/`` folders) on ``sys.path``; raises if unset/missing."""
     paths = []
