@@ -13,11 +13,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dataclasses import dataclass
+
 from .. import ops
 from ..config import M3Config
+from . import fast
 from .cache import KVCache
 from .moe import routed_experts
 from .parallel import ShardPlan
+
+
+@dataclass
+class FastPaths:
+    """Which prefill attention runs. ``auto``: FlexAttention where it compiles to a fused kernel (CUDA), else the
+    tiled ``ops.prefill_attention``; ``flex``: FlexAttention anywhere (``flex_compile=None`` compiles on CUDA only);
+    ``plain``: always ``ops``. Decode always reads only the selected blocks (``ops.decode_attention_sparse``)."""
+
+    prefill: str = "auto"
+    flex_compile: bool | None = None
+
+    def flex(self, device: torch.device) -> bool:
+        if self.prefill not in ("auto", "flex", "plain"):
+            raise ValueError(f"prefill implementation {self.prefill!r}; choose auto, flex or plain")
+        return self.prefill == "flex" or (self.prefill == "auto" and fast.flex_default(device))
 
 
 class Norm(nn.Module):
@@ -74,9 +92,9 @@ class Attention(nn.Module):
     """This rank's query heads, its KV heads (a slice, or one replicated head) and their index heads; returns
     the partial ``o_proj`` sum (the caller all-reduces)."""
 
-    def __init__(self, c: M3Config, sparse: bool, plan: ShardPlan):
+    def __init__(self, c: M3Config, sparse: bool, plan: ShardPlan, paths: FastPaths):
         super().__init__()
-        self.c, self.sparse = c, sparse
+        self.c, self.sparse, self.paths = c, sparse, paths
         self.nq, self.nkv = len(plan.q_heads(c)), len(plan.kv_heads(c))
         h, d = c.hidden_size, c.head_dim
         self.q_proj = nn.Linear(h, self.nq * d, bias=False)
@@ -111,7 +129,10 @@ class Attention(nn.Module):
             iq = self._heads(x, self.index_q_proj, self.index_q_norm, self.nkv, c.index_head_dim, cos, sin)
             ik = self._heads(x, self.index_k_proj, self.index_k_norm, 1, c.index_head_dim, cos, sin)[:, 0]
             ikc = cache.write_index_k(layer, ik, positions)[:, :kv_len]
-        if not decode:  # prefill from position 0: keys are this call's own tokens
+        if not decode and self.paths.flex(q.device):
+            blocks = fast.select_prefill_blocks(iq, ik, tile=cache.tile, **sel) if self.sparse else None
+            out = fast.flex_prefill(q, k, v, c.softmax_scale, blocks, c.index_block_size, self.paths.flex_compile)
+        elif not decode:  # prefill from position 0: keys are this call's own tokens
             if self.sparse:
                 out = ops.prefill_attention(q, k, v, c.softmax_scale, iq=iq, ik=ik, tile=cache.tile, **sel)
             else:
@@ -127,11 +148,11 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: M3Config, i: int, plan: ShardPlan):
+    def __init__(self, c: M3Config, i: int, plan: ShardPlan, paths: FastPaths):
         super().__init__()
         self.input_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
-        self.attn = Attention(c, c.sparse_layers[i], plan)
+        self.attn = Attention(c, c.sparse_layers[i], plan, paths)
         if c.moe_layers[i]:
             self.moe = MoE(c, plan)
         else:
@@ -150,11 +171,11 @@ class M3Model(nn.Module):
         super().__init__()
         plan = plan or ShardPlan()
         plan.check(c)
-        self.config, self.plan = c, plan
+        self.config, self.plan, self.paths = c, plan, FastPaths()
         self.local_kv_heads = len(plan.kv_heads(c))
         vocab = len(plan.vocab(c))
         self.embed_tokens = nn.Embedding(vocab, c.hidden_size)  # vocabulary-parallel rows
-        self.layers = nn.ModuleList(DecoderLayer(c, i, plan) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, plan, self.paths) for i in range(c.num_layers))
         self.norm = Norm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, vocab, bias=False)
         self.register_buffer("inv_freq", ops.rope_inv_freq(c.rotary_dim, c.rope_theta), persistent=False)

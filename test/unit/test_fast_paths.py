@@ -1,0 +1,104 @@
+"""The fast paths equal the plain paths: FlexAttention sparse prefill vs ``ops.prefill_attention``, grouped-mm MoE vs
+the looped dispatch and ``ops.moe_all_experts``, and a decode step that never reads a tensor value on the host."""
+
+
+import pytest
+import torch
+
+from minimax_m3 import ops
+from minimax_m3.config import M3Config
+from minimax_m3.reference import fast
+from minimax_m3.reference.model import M3Model
+from minimax_m3.reference.moe import grouped_mm_available, routed_experts
+
+TINY = M3Config.preset("tiny")
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+@pytest.mark.parametrize("b,g,r,s,bs,topk,init,tile", [
+    (2, 2, 4, 200, 16, 3, 1, 64),  # length not a multiple of the block or of FlexAttention's 128-query tile
+    (1, 2, 2, 300, 32, 2, 0, 128),
+    (1, 1, 3, 129, 16, 4, 0, 32),
+    (1, 2, 1, 64, 16, 8, 0, 32),  # topk above the number of blocks: exactly dense
+])
+def test_flex_prefill_equals_ops(b, g, r, s, bs, topk, init, tile):
+    gen = torch.Generator().manual_seed(s)
+    q, k, v = (torch.randn(b, n, s, 16, generator=gen) for n in (g * r, g, g))
+    iq, ik = torch.randn(b, g, s, 16, generator=gen), torch.randn(b, s, 16, generator=gen)
+    sel = dict(block_size=bs, topk=topk, init_blocks=init, local_blocks=1)
+    want = ops.prefill_attention(q, k, v, 0.25, iq=iq, ik=ik, tile=tile, **sel)
+    blocks = fast.select_prefill_blocks(iq, ik, tile=tile, **sel)
+    got = fast.flex_prefill(q, k, v, 0.25, blocks, bs, compiled=False)
+    assert (got - want).abs().max() < 1e-5
+    dense = fast.flex_prefill(q, k, v, 0.25, None, bs, compiled=False)
+    assert (dense - ops.prefill_attention(q, k, v, 0.25, tile=tile)).abs().max() < 1e-5
+
+
+def test_block_mask_skips_unselected_tiles_and_marks_full_ones():
+    # one KV group, 256 queries, blocks of 128: the second query tile selected only block 0 -> block 1 never read
+    s, bs = 256, 128
+    blocks = torch.full((1, 1, s, 1), -1)
+    blocks[0, 0, :128, 0] = 0
+    blocks[0, 0, 128:, 0] = 0
+    mask = fast.sparse_block_mask(blocks, s, bs, q_per_kv=2)
+    assert mask.kv_num_blocks[0, :, :].tolist() == [[1, 0], [1, 0]]  # tile (0, 0) is the causal diagonal: partial
+    assert mask.full_kv_num_blocks[0, :, :].tolist() == [[0, 1], [0, 1]]  # tile (1, 0): all past, all selected
+    assert mask.full_kv_indices[0, 0, 1, 0] == 0
+
+
+def _tiny_moe_inputs(t=37, seed=0):
+    c = TINY
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, c.hidden_size, generator=g)
+    w = torch.randn(c.num_experts, c.hidden_size, generator=g) * 0.1
+    weights, experts = ops.route(x, w, torch.zeros(c.num_experts), c.top_k)
+    gu = torch.randn(c.num_experts, c.hidden_size, 2 * c.intermediate_size, generator=g) * 0.1
+    down = torch.randn(c.num_experts, c.intermediate_size, c.hidden_size, generator=g) * 0.1
+    return x, weights, experts, gu, down
+
+
+@pytest.mark.parametrize("t", [1, 3, 37])  # decode-sized (most experts unused) and prefill-sized
+def test_grouped_moe_equals_loop_and_all_experts(t):
+    assert grouped_mm_available(torch.device("cpu"), torch.float32)
+    x, weights, experts, gu, down = _tiny_moe_inputs(t)
+    oracle = ops.moe_all_experts(x, weights, experts, gu, down, TINY.swiglu_alpha, TINY.swiglu_limit)
+    grouped = routed_experts(x, weights, experts, gu, down, TINY, grouped=True)
+    looped = routed_experts(x, weights, experts, gu, down, TINY, grouped=False)
+    assert (grouped - oracle).abs().max() < 1e-5 and (looped - oracle).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_expert_ranges_sum_to_the_whole(grouped):
+    x, weights, experts, gu, down = _tiny_moe_inputs()
+    whole = routed_experts(x, weights, experts, gu, down, TINY, grouped=grouped)
+    parts = sum(routed_experts(x, weights, experts, gu[e:e + 2], down[e:e + 2], TINY, first_expert=e,
+                               grouped=grouped) for e in range(0, TINY.num_experts, 2))
+    assert (parts - whole).abs().max() < 1e-5
+
+
+def test_model_flex_prefill_equals_plain(tiny_ckpt):
+    from minimax_m3.reference.loader import load_model
+
+    model = load_model(tiny_ckpt)
+    ids = torch.randint(3, TINY.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(150).expand(2, -1)
+    plain = model(ids, pos, model.new_cache(2, 150), 150, decode=False)
+    model.paths.prefill, model.paths.flex_compile = "flex", False
+    try:
+        flex = model(ids, pos, model.new_cache(2, 150), 150, decode=False)
+    finally:
+        model.paths.prefill = "auto"
+    assert (flex - plain).abs().max() < 1e-5
+
+
+def test_decode_step_never_reads_a_value_on_the_host():
+    """The whole decode step runs on the meta device (no data): an ``.item()``, ``.tolist()``, ``nonzero`` or Python
+    ``if`` on a tensor would raise, so the step needs no host synchronisation and can be captured in a CUDA graph.
+    (bfloat16: the meta kernel of ``torch._grouped_mm`` follows CUDA's dtype rule.)"""
+    with torch.device("meta"):
+        model = M3Model(TINY).to(torch.bfloat16)
+    cache = model.new_cache(2, 64)
+    ids = torch.zeros(2, 1, dtype=torch.long, device="meta")
+    pos = torch.full((2, 1), 40, dtype=torch.long, device="meta")
+    out = model(ids, pos, cache, 41, decode=True)
+    assert out.shape == (2, 1, TINY.vocab_size) and out.device.type == "meta"
