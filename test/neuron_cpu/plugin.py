@@ -70,6 +70,7 @@ def pytest_configure(config):
     else:
         base = os.environ.get("NEURON_CPU_BASETEMP")
         if base and not config.option.basetemp:  # ranks must not share (and wipe) one basetemp
+            os.makedirs(base, exist_ok=True)
             config.option.basetemp = os.path.join(base, f"rank{os.environ.get('RANK', '0')}")
     _fill_engine_defaults()
 

@@ -1,5 +1,8 @@
 """TP 2 and TP 4: the shared suite and the port checks rerun under ``torchrun`` (gloo, float32), one pytest per
-rank, with the same ``--backend neuron-cpu``. This process only launches and reads the exit code."""
+rank, with the same ``--backend neuron-cpu``. This process only launches and reads the exit code.
+
+One torchrun per test file: under torchrun NxDI's ``to_cpu()`` initialises the default process group every time,
+so each process builds exactly one NxDI model."""
 
 import os
 import subprocess
@@ -17,17 +20,18 @@ SUITE = ["test/integration/test_backend_suite.py", "test/neuron_cpu/test_harness
 TIMEOUT_S = int(os.environ.get("NEURON_CPU_TORCHRUN_TIMEOUT", "3600"))
 
 
+@pytest.mark.parametrize("path", SUITE)
 @pytest.mark.parametrize("tp", [2, 4])
-def test_suite_under_torchrun(tp, tmp_path):
+def test_suite_under_torchrun(tp, path, tmp_path):
     if "WORLD_SIZE" in os.environ:
         pytest.skip("already running under torchrun")
     env = dict(os.environ, NEURON_CPU_BASETEMP=str(tmp_path), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", f"--master-port={free_port()}",
            "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "test.neuron_cpu.plugin",
-           "--backend", "neuron-cpu", *SUITE]
+           "--backend", "neuron-cpu", path]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-    assert proc.returncode == 0, f"torchrun tp={tp} failed (rc {proc.returncode}):\n{tail}"
+    assert proc.returncode == 0, f"torchrun tp={tp} {path} failed (rc {proc.returncode}):\n{tail}"
     summaries = [ln for ln in proc.stdout.splitlines() if " passed" in ln]
     assert len(summaries) >= tp, f"expected one pytest summary per rank:\n{tail}"
     assert all("failed" not in s and "error" not in s for s in summaries), tail
