@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Reference backend vs transformers 5.23 (``MiniMaxM3SparseForConditionalGeneration``, eager): prefill tokens/s,
+decode ms/token and peak memory at several contexts, on the same device, weights and inputs, in one run.
+
+Every (implementation, context) runs in its own child process, so peak memory is that run's alone (CPU: peak RSS of
+the child, weights and runtime included; CUDA: ``max_memory_allocated``). Before any time is quoted the logits are
+checked equal: the prefill's last-position logits and every decode step's logits (decode is teacher-forced with the
+same token ids for both implementations). A run whose estimated memory would not fit is skipped with the estimate,
+so the machine is never pushed into the OOM killer.
+
+    python scripts/bench_reference.py --preset small --contexts 2048 8192 32768          # CPU targets
+    python scripts/bench_reference.py --preset m3-slice --layers 2 --dtype bfloat16      # H200: full-width slice
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+IMPLS = ("transformers", "reference", "reference-flex")
+
+
+def _config(args):
+    from minimax_m3.config import M3Config
+
+    if args.preset != "m3-slice":
+        return M3Config.preset(args.preset)
+    n = args.layers  # real hidden size, heads and 128 experts; layer 0 dense like the release, the rest sparse MoE
+    return M3Config().replace(num_layers=n, moe_layers=(False,) + (True,) * (n - 1),
+                              sparse_layers=(False,) + (True,) * (n - 1))
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peak_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _child(impl: str, ckpt: str, device: str, dtype: str, n: int, steps: int, reps: int, threads: int, q) -> None:
+    try:
+        torch.set_num_threads(threads)
+        q.put(_measure(impl, ckpt, device, dtype, n, steps, reps))
+    except BaseException as exc:  # report, never hang the parent
+        q.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _measure(impl, ckpt, device, dtype, n, steps, reps):
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    from minimax_m3.config import M3Config
+
+    vocab = M3Config.from_pretrained(ckpt).vocab_size
+    ids = torch.randint(3, vocab, (1, n + steps), generator=g).to(device)
+    prompt, forced = ids[:, :n], ids[:, n:]
+    with torch.no_grad():
+        if impl == "transformers":
+            from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
+
+            model = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
+                ckpt, dtype=dt, attn_implementation="eager").to(device).eval()
+
+            def prefill(x):
+                out = model(x, use_cache=True, logits_to_keep=1)
+                return out.logits[:, -1].float(), out.past_key_values
+
+            def step(state, tok, pos):
+                out = model(tok, past_key_values=state, use_cache=True)
+                return out.logits[:, -1].float(), state
+        else:
+            from minimax_m3.reference.loader import load_model
+
+            model = load_model(ckpt, device=device, dtype=dt)
+            if impl == "reference-flex":
+                model.paths.prefill, model.paths.flex_compile = "flex", True
+
+            def prefill(x):
+                cache = model.new_cache(1, n + steps)
+                pos = torch.arange(x.shape[1], device=device).unsqueeze(0)
+                last = torch.tensor([x.shape[1] - 1], device=device)
+                return model(x, pos, cache, x.shape[1], decode=False, logits_at=last)[:, 0], cache
+
+            def step(cache, tok, pos):
+                p = torch.tensor([[pos]], device=device)
+                return model(tok, p, cache, pos + 1, decode=True)[:, 0], cache
+
+        prefill(prompt[:, :min(n, 256)])  # warm-up (allocator, lazy init, kernel compilation at that shape)
+        if impl == "reference-flex":
+            prefill(prompt)  # compile at this context's shape before timing
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        while len(times) < reps and sum(times) < 60:  # best of up to ``reps`` (a shared machine is noisy)
+            state = None
+            _sync(device)
+            t0 = time.perf_counter()
+            logits, state = prefill(prompt)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        prefill_s = min(times)
+        dec_logits, step_ms = [], []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            lg, state = step(state, forced[:, i:i + 1], n + i)
+            _sync(device)
+            step_ms.append(1000 * (time.perf_counter() - t0))
+            dec_logits.append(lg.float().cpu())
+    return {"prefill_s": prefill_s, "prefill_tok_s": n / prefill_s, "decode_ms": statistics.median(step_ms),
+            "peak_gb": _peak_bytes(device) / 2**30,
+            "logits": [x.numpy() for x in [logits.cpu()] + dec_logits]}  # by value: the child exits first
+
+
+def _estimate_gb(impl: str, c, n: int, dtype_bytes: int) -> float:
+    """Peak-memory estimate of one run (what is guarded against; deliberately generous)."""
+    weights = 2.0 * c.hidden_size * c.vocab_size + c.num_layers * (
+        4 * c.hidden_size * c.num_heads * c.head_dim + 3 * c.num_experts * c.hidden_size * c.intermediate_size)
+    base = weights * dtype_bytes + 1.5 * 2**30
+    if impl == "transformers":  # eager: [B, Hq, S, S] additive mask + scores + probs, index scores [B, G, S, S]
+        return (base + n * n * (4 * c.num_heads * 4 + 3 * c.num_kv_heads * 4)) / 2**30
+    tile = 256  # per query tile: scores + probs for all heads, index scores, masks
+    return (base + tile * n * (3 * c.num_heads * 4 + 4 * c.num_kv_heads * 4) + 64 * n * c.hidden_size * 4) / 2**30
+
+
+def _available_gb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[0] / 2**30
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    return info["MemAvailable"] / 2**20
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small", help="tiny | small | m3-slice (real width, --layers layers)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--ckpt", help="existing checkpoint directory (default: a synthetic one of --preset)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per context (the median is quoted)")
+    ap.add_argument("--reps", type=int, default=3, help="prefill repetitions (the best is quoted; stops after 60 s)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--mem-fraction", type=float, default=0.8, help="share of free memory a run may be estimated at")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+
+    c = _config(args)
+    ckpt = args.ckpt or str(write_synthetic(Path(tempfile.mkdtemp(prefix="bench-")) / "ckpt", c, seed=0))
+    dbytes = 4 if args.dtype == "float32" else 2
+    tol = 2e-3 if args.dtype == "float32" else 5e-2  # relative to the largest |logit|
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU x{args.threads} threads"
+    print(f"# {args.preset} ({c.num_layers} layers, hidden {c.hidden_size}, {c.num_experts} experts) on {name}, "
+          f"{args.dtype}, torch {torch.__version__}", flush=True)
+    ctx = mp.get_context("spawn")
+    rows, ok = [], True
+    for n in args.contexts:
+        res = {}
+        for impl in args.impls:
+            need, free = _estimate_gb(impl, c, n, dbytes), _available_gb(args.device)
+            if need > args.mem_fraction * free:
+                res[impl] = {"skipped": f"needs ~{need:.0f} GiB, {free:.0f} GiB free"}
+                continue
+            q = ctx.Queue()
+            p = ctx.Process(target=_child, args=(impl, ckpt, args.device, args.dtype, n, args.steps, args.reps,
+                                                 args.threads, q))
+            p.start()
+            r = q.get()
+            p.join()
+            res[impl] = r if p.exitcode == 0 or "error" in r else {"error": f"exit code {p.exitcode}"}
+            if "logits" in r:
+                r["logits"] = [torch.from_numpy(x) for x in r["logits"]]
+        base = next((r for r in res.values() if "logits" in r), None)
+        for impl, r in res.items():
+            if "logits" in r and r is not base:
+                scale = max(1.0, max(float(x.abs().max()) for x in base["logits"]))
+                r["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(base["logits"], r["logits"])) / scale
+                if r["max_diff"] > tol:
+                    ok = False
+                    r["error"] = f"logits differ by {r['max_diff']:.2e} (relative) > {tol}: timings not quoted"
+        hf = res.get("transformers", {})
+        for impl, r in res.items():
+            row = {"context": n, "impl": impl, **{k: v for k, v in r.items() if k != "logits"}}
+            if "error" not in r and "skipped" not in r and "prefill_s" in hf and impl != "transformers":
+                row["prefill_speedup"] = r["prefill_tok_s"] / hf["prefill_tok_s"]
+                row["decode_speedup"] = hf["decode_ms"] / r["decode_ms"]
+            rows.append(row)
+            print(_fmt(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": name, "preset": args.preset, "dtype": args.dtype,
+                                              "rows": rows}, indent=1))
+    return 0 if ok else 1
+
+
+def _fmt(row: dict) -> str:
+    head = f"ctx {row['context']:>6}  {row['impl']:<15}"
+    if "skipped" in row or "error" in row:
+        return f"{head}  {'skipped: ' + row['skipped'] if 'skipped' in row else 'ERROR: ' + row['error']}"
+    s = (f"{head}  prefill {row['prefill_tok_s']:9.1f} tok/s ({row['prefill_s']:7.2f} s)  decode "
+         f"{row['decode_ms']:8.2f} ms/tok  peak {row['peak_gb']:6.2f} GiB")
+    if "max_diff" in row:
+        s += f"  logits diff {row['max_diff']:.1e}"
+    if "prefill_speedup" in row:
+        s += f"  vs transformers: prefill x{row['prefill_speedup']:.1f}, decode x{row['decode_speedup']:.1f}"
+    return s
+
+
+if __name__ == "__main__":
+    sys.exit(main())
