@@ -186,8 +186,12 @@ class _FailingWriter:
         self.f.close()
 
 
+@pytest.mark.parametrize("overlap_limit", [64 << 20, 0])  # 0: every tensor waits for its write (the big-tensor path)
 @pytest.mark.parametrize("exc", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
-def test_full_disk_or_interrupt_then_resume(synth, tmp_path, exc):
+def test_full_disk_or_interrupt_then_resume(synth, tmp_path, exc, overlap_limit, monkeypatch):
+    import minimax_m3.checkpoint.convert as conv
+
+    monkeypatch.setattr(conv, "OVERLAP_LIMIT", overlap_limit)
     clean = tmp_path / "clean"
     convert(synth["nvfp4"], clean, to="neuron", tp=2, progress=False)
     out = tmp_path / "out"

@@ -134,6 +134,7 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 
 
 Opener = Callable[[Path], object]
+OVERLAP_LIMIT = 64 << 20  # tensors at least this big are fully written before the next rule starts
 
 
 def _write_shard(path: Path, entries: list[Planned], produce, opener: Opener) -> tuple[int, int]:
@@ -146,15 +147,18 @@ def _write_shard(path: Path, entries: list[Planned], produce, opener: Opener) ->
     def writer(f):
         try:
             while (item := q.get()) is not None:
-                mv = _bytes_view(item)
-                f.write(mv)
-                state["crc"] = zlib.crc32(mv, state["crc"])
-                state["size"] += len(mv)
-                del item, mv
+                try:
+                    mv = _bytes_view(item)
+                    f.write(mv)
+                    state["crc"] = zlib.crc32(mv, state["crc"])
+                    state["size"] += len(mv)
+                    del item, mv
+                finally:
+                    q.task_done()
         except BaseException as exc:  # noqa: BLE001 — re-raised in the caller
             err.append(exc)
             while q.get() is not None:
-                pass
+                q.task_done()
 
     try:
         with opener(path) as f:
@@ -171,8 +175,11 @@ def _write_shard(path: Path, entries: list[Planned], produce, opener: Opener) ->
                     if tuple(t.shape) != e.shape or t.dtype != e.dtype:
                         raise ConversionError(f"{e.name}: produced {t.dtype}{list(t.shape)} but the plan says "
                                               f"{e.dtype}{list(e.shape)} (a rule's transform is not shape-stable)")
+                    big = e.nbytes >= OVERLAP_LIMIT
                     q.put(t)
                     del t
+                    if big:  # a large tensor is not held while the next rule computes: peak ~ one rule
+                        q.join()
             finally:
                 q.put(None)
                 th.join()
