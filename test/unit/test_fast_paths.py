@@ -1,7 +1,6 @@
 """The fast paths equal the plain paths: FlexAttention sparse prefill vs ``ops.prefill_attention``, grouped-mm MoE vs
 the looped dispatch and ``ops.moe_all_experts``, and a decode step that never reads a tensor value on the host."""
 
-
 import pytest
 import torch
 
@@ -13,7 +12,6 @@ from minimax_m3.reference.moe import grouped_mm_available, routed_experts
 
 TINY = M3Config.preset("tiny")
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
 
 @pytest.mark.parametrize("b,g,r,s,bs,topk,init,tile", [
     (2, 2, 4, 200, 16, 3, 1, 64),  # length not a multiple of the block or of FlexAttention's 128-query tile
@@ -33,7 +31,6 @@ def test_flex_prefill_equals_ops(b, g, r, s, bs, topk, init, tile):
     dense = fast.flex_prefill(q, k, v, 0.25, None, bs, compiled=False)
     assert (dense - ops.prefill_attention(q, k, v, 0.25, tile=tile)).abs().max() < 1e-5
 
-
 def test_block_mask_skips_unselected_tiles_and_marks_full_ones():
     # one KV group, 256 queries, blocks of 128: the second query tile selected only block 0 -> block 1 never read
     s, bs = 256, 128
@@ -45,7 +42,6 @@ def test_block_mask_skips_unselected_tiles_and_marks_full_ones():
     assert mask.full_kv_num_blocks[0, :, :].tolist() == [[0, 1], [0, 1]]  # tile (1, 0): all past, all selected
     assert mask.full_kv_indices[0, 0, 1, 0] == 0
 
-
 def _tiny_moe_inputs(t=37, seed=0):
     c = TINY
     g = torch.Generator().manual_seed(seed)
@@ -56,7 +52,6 @@ def _tiny_moe_inputs(t=37, seed=0):
     down = torch.randn(c.num_experts, c.intermediate_size, c.hidden_size, generator=g) * 0.1
     return x, weights, experts, gu, down
 
-
 @pytest.mark.parametrize("t", [1, 3, 37])  # decode-sized (most experts unused) and prefill-sized
 def test_grouped_moe_equals_loop_and_all_experts(t):
     assert grouped_mm_available(torch.device("cpu"), torch.float32)
@@ -66,7 +61,6 @@ def test_grouped_moe_equals_loop_and_all_experts(t):
     looped = routed_experts(x, weights, experts, gu, down, TINY, grouped=False)
     assert (grouped - oracle).abs().max() < 1e-5 and (looped - oracle).abs().max() < 1e-5
 
-
 @pytest.mark.parametrize("grouped", [True, False])
 def test_expert_ranges_sum_to_the_whole(grouped):
     x, weights, experts, gu, down = _tiny_moe_inputs()
@@ -74,7 +68,6 @@ def test_expert_ranges_sum_to_the_whole(grouped):
     parts = sum(routed_experts(x, weights, experts, gu[e:e + 2], down[e:e + 2], TINY, first_expert=e,
                                grouped=grouped) for e in range(0, TINY.num_experts, 2))
     assert (parts - whole).abs().max() < 1e-5
-
 
 def test_model_flex_prefill_equals_plain(tiny_ckpt):
     from minimax_m3.reference.loader import load_model
@@ -89,7 +82,6 @@ def test_model_flex_prefill_equals_plain(tiny_ckpt):
     finally:
         model.paths.prefill = "auto"
     assert (flex - plain).abs().max() < 1e-5
-
 
 def test_decode_step_never_reads_a_value_on_the_host():
     """The whole decode step runs on the meta device (no data): an ``.item()``, ``.tolist()``, ``nonzero`` or Python

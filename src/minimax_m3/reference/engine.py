@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -13,7 +14,7 @@ from ..config import M3Config
 from ..engine import EngineInputError, GenerationConfig, GenerationResult
 from .loader import load_model
 from .model import M3Model
-from .parallel import ShardPlan
+from .parallel import ShardPlan, init_distributed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -50,8 +51,12 @@ class ReferenceEngine:
     def from_pretrained(cls, path: str | Path, device: str | None = None, dtype: str | torch.dtype = "float32",
                         max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
                         plan: ShardPlan | None = None) -> "ReferenceEngine":
-        """``plan``: this rank's tensor/expert-parallel slice (see ``parallel.init_distributed``); every rank of the
-        process group must then make the same calls with the same inputs."""
+        """``plan``: this rank's tensor/expert-parallel slice; every rank of the process group must then make the same
+        calls with the same inputs. Under ``torchrun`` (``WORLD_SIZE > 1``) without a plan, the process group is
+        joined here with ``ep = $MINIMAX_M3_EP`` (default 1) and ``device`` None/"cuda" becomes this rank's GPU."""
+        if plan is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            plan, rank_device = init_distributed(ep=int(os.environ.get("MINIMAX_M3_EP", "1")))
+            device = rank_device if device in (None, "cuda") else device
         device = device or best_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineInputError("device 'cuda' requested but no CUDA device is available; use --device cpu")

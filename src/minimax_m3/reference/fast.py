@@ -37,7 +37,7 @@ def _flex(device: torch.device, compiled: bool):
     if not compiled:
         return flex_attention
     if device.type not in _COMPILED:
-        _COMPILED[device.type] = torch.compile(flex_attention, dynamic=False)
+        _COMPILED[device.type] = torch.compile(flex_attention)  # dynamic after the first recompile
     return _COMPILED[device.type]
 
 
