@@ -2,8 +2,9 @@
 
 ``torch._grouped_mm`` (CPU, and CUDA on Hopper+ in bfloat16) runs every local expert in one call per projection
 with the group offsets computed on the device: no Python loop over experts and no host synchronisation, so a
-decode step stays capturable in a CUDA graph. Where the device lacks it, a loop over the used experts (with one
-``.tolist()``) computes the same sums. Under expert parallelism a rank holds the contiguous experts
+decode step stays capturable in a CUDA graph. Where the device lacks it, and on CPU for decode-sized batches (where
+a host read costs nothing and CPU's grouped_mm would copy every expert's weights), a loop over the used experts
+(with one ``.tolist()``) computes the same sums. Under expert parallelism a rank holds the contiguous experts
 ``first_expert .. first_expert + E_local - 1``; tokens routed elsewhere contribute zero here (their rank adds them
 in the layer's all-reduce).
 """
@@ -43,10 +44,10 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     rounded to the activation dtype before the ``k`` contributions of a token are summed, like transformers.
     ``grouped=None`` picks grouped matrix multiplies where the device has them.
     """
-    if grouped is None:
-        grouped = grouped_mm_available(x.device, x.dtype)
     t, k = experts.shape
     n_local = gate_up.shape[0]
+    if grouped is None:  # CPU's grouped_mm copies every group's weights: for a few rows the loop reads less
+        grouped = grouped_mm_available(x.device, x.dtype) and (x.device.type != "cpu" or t * k >= 8 * n_local)
     local = experts - first_expert
     mine = (local >= 0) & (local < n_local)
     key = torch.where(mine, local, n_local).reshape(-1)  # tokens of other ranks sort last
