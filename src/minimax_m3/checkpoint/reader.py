@@ -8,6 +8,7 @@ before any work starts, and every problem of every shard is collected rather tha
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ if hasattr(torch, "float8_e8m0fnu"):
     DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
+_OWN_MAP = 1 << 20
 
 
 class CheckpointError(ValueError):
@@ -170,8 +172,16 @@ class CheckpointReader:
         f = self._files.get(info.shard)
         if f is None:
             f = self._files[info.shard] = open(self.root / info.shard, "rb", buffering=0)
-        buf = torch.empty(info.nbytes, dtype=torch.uint8)
-        mv, got = memoryview(buf.numpy()), 0
+        if info.nbytes >= _OWN_MAP:
+            # an anonymous mapping of its own: returned to the OS the moment the tensor dies (heap chunks freed by
+            # malloc often stay resident, which would keep a converted rule's sources in RSS)
+            region = mmap.mmap(-1, info.nbytes)
+            buf = torch.frombuffer(region, dtype=torch.uint8)
+            mv = memoryview(region)
+        else:
+            buf = torch.empty(info.nbytes, dtype=torch.uint8)
+            mv = memoryview(buf.numpy())
+        got = 0
         while got < info.nbytes:  # one call moves at most ~2 GiB on Linux
             n = os.preadv(f.fileno(), [mv[got:]], info.start + got)
             if n <= 0:
