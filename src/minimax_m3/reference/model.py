@@ -137,13 +137,15 @@ class Attention(nn.Module):
                 out = ops.prefill_attention(q, k, v, c.softmax_scale, iq=iq, ik=ik, tile=cache.tile, **sel)
             else:
                 out = ops.prefill_attention(q, k, v, c.softmax_scale, tile=cache.tile)
-        elif self.sparse:
-            q_pos = positions[:, 0]
-            blocks = ops.select_blocks_for_queries(iq, ikc, positions, **sel)  # [B, G, 1, K]
-            out = ops.decode_attention_sparse(q, kc, vc, q_pos, blocks[:, :, 0], c.index_block_size,
-                                              c.softmax_scale)
-        else:
-            out = ops.decode_attention_dense(q, kc, vc, positions[:, 0], c.softmax_scale)
+        else:  # decode, one token per row: a KV group's query heads ride as its "queries", so the matmuls read
+            qg = q.reshape(b, self.nkv, -1, c.head_dim)  # each K/V row once (no broadcast copy per query head)
+            if self.sparse:
+                blocks = ops.select_blocks_for_queries(iq, ikc, positions, **sel)  # [B, G, 1, K]
+                out = ops.decode_attention_sparse(qg, kc, vc, positions[:, 0], blocks[:, :, 0], c.index_block_size,
+                                                  c.softmax_scale)
+            else:
+                out = ops.decode_attention_dense(qg, kc, vc, positions[:, 0], c.softmax_scale)
+            out = out.reshape(b, self.nq, 1, c.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nq * c.head_dim))
 
 
