@@ -1,18 +1,21 @@
 """XLA CPU device fixtures for the static-graph proofs.
 
-Skips the whole folder when torch_xla is absent. ``PJRT_DEVICE=CPU`` is set before torch_xla is imported,
-so the tests run on the XLA CPU device (the same lazy-tensor tracing that NxDI uses for Neuron).
+``PJRT_DEVICE=CPU`` is set before torch_xla is imported, so the tests run on the XLA CPU device (the same
+lazy-tensor tracing that NxDI uses for Neuron). Without torch_xla every test that asks for the ``xla`` fixture
+is skipped with one line; the eager-only oracle checks in this folder still run.
 """
 
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-torch_xla = pytest.importorskip("torch_xla", reason="torch_xla is not installed (pip install -e .[xla])")
-
-import torch  # noqa: E402
-import torch_xla.debug.metrics as met  # noqa: E402
+try:
+    import torch_xla
+    import torch_xla.debug.metrics as met
+except ImportError:  # pragma: no cover - CI installs torch-xla
+    torch_xla = met = None
 
 
 def compile_count() -> int:
@@ -27,8 +30,8 @@ def aten_fallbacks() -> list[str]:
 
 
 def run_on_xla(fn, *args):
-    """Move ``args`` (tensors, or tuples/lists/dicts of them) to the XLA device, run ``fn`` and one graph, bring the
-    outputs back to the CPU. Returns ``(outputs, graphs compiled by this call)``."""
+    """Move ``args`` (tensors, or tuples/lists/dicts of them) to the XLA device, run ``fn`` and one graph, bring
+    the outputs back to the CPU. Returns ``(outputs, graphs compiled by this call)``."""
     dev = torch_xla.device()
 
     def to(a):
@@ -54,6 +57,8 @@ def run_on_xla(fn, *args):
 @pytest.fixture
 def xla():
     """The XLA CPU device, with a check that nothing fell back to the CPU during the test."""
+    if torch_xla is None:
+        pytest.skip("torch_xla is not installed (pip install -e .[xla])")
     met.clear_counters()  # fallback counters are cumulative; start this test from zero
     yield torch_xla.device()
     fallen = aten_fallbacks()
