@@ -7,6 +7,7 @@ at its own position. The caches are NxDI's (K/V plus our index-K), reset before 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -38,6 +39,27 @@ def build_neuron_config(tp_degree: int = 1, batch_size: int = 1, max_seq_len: in
     return MiniMaxM3NeuronConfig(**kw)
 
 
+def _to_cpu(app) -> None:
+    """``app.to_cpu()``, joining a process group that already exists in this process.
+
+    Under torchrun NxDI's ``to_cpu`` calls ``init_process_group("gloo")`` unconditionally, which fails when
+    another engine (e.g. the reference golden in the same pytest) already joined; hiding ``WORLD_SIZE`` for the
+    call makes NxDI reuse the existing group after we check that it has the size NxDI would have asserted."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and "WORLD_SIZE" in os.environ):
+        app.to_cpu()
+        return
+    want = app.neuron_config.world_size
+    if dist.get_world_size() != want or dist.get_backend() != "gloo":
+        raise RuntimeError(f"existing process group ({dist.get_backend()}, world {dist.get_world_size()}) cannot "
+                           f"host NxDI's CPU mode (gloo, world {want})")
+    world = os.environ.pop("WORLD_SIZE")
+    try:
+        app.to_cpu()
+    finally:
+        os.environ["WORLD_SIZE"] = world
+
+
 class NeuronEngine:
     def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config):
         self.app, self.config = app, config
@@ -53,7 +75,7 @@ class NeuronEngine:
         config = MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(model))
         app = NeuronMiniMaxM3ForCausalLM(model, config)
         if on_cpu:
-            app.to_cpu()
+            _to_cpu(app)
         else:
             path = compiled_path or str(Path(model) / "neuron-compiled")
             if not (Path(path) / "model.pt").is_file():
