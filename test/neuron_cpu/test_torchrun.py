@@ -5,6 +5,7 @@ One torchrun per test file: under torchrun NxDI's ``to_cpu()`` initialises the d
 so each process builds exactly one NxDI model."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,6 @@ def test_suite_under_torchrun(tp, path, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
     assert proc.returncode == 0, f"torchrun tp={tp} {path} failed (rc {proc.returncode}):\n{tail}"
-    summaries = [ln for ln in proc.stdout.splitlines() if " passed" in ln]
-    assert len(summaries) >= tp, f"expected one pytest summary per rank:\n{tail}"
-    assert all("failed" not in s and "error" not in s for s in summaries), tail
+    # every rank ran tests (not only skips); failures already show in the exit code
+    passed = re.findall(r"\b(\d+) passed\b", proc.stdout)
+    assert len(passed) >= tp and all(int(n) > 0 for n in passed), f"expected a passing summary per rank:\n{tail}"
