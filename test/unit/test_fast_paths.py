@@ -10,8 +10,10 @@ from minimax_m3.reference import fast
 from minimax_m3.reference.model import M3Model
 from minimax_m3.reference.moe import grouped_mm_available, routed_experts
 
+
 TINY = M3Config.preset("tiny")
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
 
 @pytest.mark.parametrize("b,g,r,s,bs,topk,init,tile", [
     (2, 2, 4, 200, 16, 3, 1, 64),  # length not a multiple of the block or of FlexAttention's 128-query tile
@@ -31,6 +33,7 @@ def test_flex_prefill_equals_ops(b, g, r, s, bs, topk, init, tile):
     dense = fast.flex_prefill(q, k, v, 0.25, None, bs, compiled=False)
     assert (dense - ops.prefill_attention(q, k, v, 0.25, tile=tile)).abs().max() < 1e-5
 
+
 def test_block_mask_skips_unselected_tiles_and_marks_full_ones():
     # one KV group, 256 queries, blocks of 128: the second query tile selected only block 0 -> block 1 never read
     s, bs = 256, 128
@@ -42,6 +45,7 @@ def test_block_mask_skips_unselected_tiles_and_marks_full_ones():
     assert mask.full_kv_num_blocks[0, :, :].tolist() == [[0, 1], [0, 1]]  # tile (1, 0): all past, all selected
     assert mask.full_kv_indices[0, 0, 1, 0] == 0
 
+
 def _tiny_moe_inputs(t=37, seed=0):
     c = TINY
     g = torch.Generator().manual_seed(seed)
@@ -52,22 +56,28 @@ def _tiny_moe_inputs(t=37, seed=0):
     down = torch.randn(c.num_experts, c.intermediate_size, c.hidden_size, generator=g) * 0.1
     return x, weights, experts, gu, down
 
+
+STRATEGIES = ("grouped", "gather", "loop")
+
+
 @pytest.mark.parametrize("t", [1, 3, 37])  # decode-sized (most experts unused) and prefill-sized
-def test_grouped_moe_equals_loop_and_all_experts(t):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_moe_strategies_equal_all_experts(t, strategy):
     assert grouped_mm_available(torch.device("cpu"), torch.float32)
     x, weights, experts, gu, down = _tiny_moe_inputs(t)
     oracle = ops.moe_all_experts(x, weights, experts, gu, down, TINY.swiglu_alpha, TINY.swiglu_limit)
-    grouped = routed_experts(x, weights, experts, gu, down, TINY, grouped=True)
-    looped = routed_experts(x, weights, experts, gu, down, TINY, grouped=False)
-    assert (grouped - oracle).abs().max() < 1e-5 and (looped - oracle).abs().max() < 1e-5
+    got = routed_experts(x, weights, experts, gu, down, TINY, strategy=strategy)
+    assert (got - oracle).abs().max() < 1e-5
 
-@pytest.mark.parametrize("grouped", [True, False])
-def test_expert_ranges_sum_to_the_whole(grouped):
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_expert_ranges_sum_to_the_whole(strategy):
     x, weights, experts, gu, down = _tiny_moe_inputs()
-    whole = routed_experts(x, weights, experts, gu, down, TINY, grouped=grouped)
+    whole = routed_experts(x, weights, experts, gu, down, TINY, strategy=strategy)
     parts = sum(routed_experts(x, weights, experts, gu[e:e + 2], down[e:e + 2], TINY, first_expert=e,
-                               grouped=grouped) for e in range(0, TINY.num_experts, 2))
+                               strategy=strategy) for e in range(0, TINY.num_experts, 2))
     assert (parts - whole).abs().max() < 1e-5
+
 
 def test_model_flex_prefill_equals_plain(tiny_ckpt):
     from minimax_m3.reference.loader import load_model
@@ -82,6 +92,7 @@ def test_model_flex_prefill_equals_plain(tiny_ckpt):
     finally:
         model.paths.prefill = "auto"
     assert (flex - plain).abs().max() < 1e-5
+
 
 def test_decode_step_never_reads_a_value_on_the_host():
     """The whole decode step runs on the meta device (no data): an ``.item()``, ``.tolist()``, ``nonzero`` or Python

@@ -2,9 +2,9 @@
 
 ``torch._grouped_mm`` (CPU, and CUDA on Hopper+ in bfloat16) runs every local expert in one call per projection
 with the group offsets computed on the device: no Python loop over experts and no host synchronisation, so a
-decode step stays capturable in a CUDA graph. Where the device lacks it, and on CPU for decode-sized batches (where
-a host read costs nothing and CPU's grouped_mm would copy every expert's weights), a loop over the used experts
-(with one ``.tolist()``) computes the same sums. Under expert parallelism a rank holds the contiguous experts
+decode step stays capturable in a CUDA graph. On CPU, decode-sized batches instead gather their chosen experts'
+weights and run one batched product (CPU's grouped_mm copies every expert's weights per call). Where the device has
+no grouped_mm, a loop over the used experts (with one ``.tolist()``) computes the same sums. Under expert parallelism a rank holds the contiguous experts
 ``first_expert .. first_expert + E_local - 1``; tokens routed elsewhere contribute zero here (their rank adds them
 in the layer's all-reduce).
 """
@@ -35,41 +35,58 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_OK[key]
 
 
+def pick_strategy(device: torch.device, dtype: torch.dtype, rows: int, n_local: int) -> str:
+    """``grouped`` (torch._grouped_mm), ``gather`` (each (token, slot) row multiplies its expert's weights, gathered:
+    reads exactly the chosen experts) or ``loop`` (over the used experts; one host read)."""
+    if device.type == "cpu":  # a host read is free here; CPU's grouped_mm copies every group's weights per call
+        if rows <= n_local:
+            return "gather"
+        return "grouped" if grouped_mm_available(device, dtype) else "loop"
+    return "grouped" if grouped_mm_available(device, dtype) else "loop"
+
+
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, c: M3Config, first_expert: int = 0, grouped: bool | None = None
+                   down: torch.Tensor, c: M3Config, first_expert: int = 0, strategy: str | None = None
                    ) -> torch.Tensor:
     """Sum over each token's chosen (local) experts of ``weight * expert(x)`` (before routed scaling), ``[T, H]``.
 
     ``gate_up [E_local, H, 2I_local]`` (gate first), ``down [E_local, I_local, H]``. Each expert's contribution is
     rounded to the activation dtype before the ``k`` contributions of a token are summed, like transformers.
-    ``grouped=None`` picks grouped matrix multiplies where the device has them.
+    ``strategy=None`` picks one with :func:`pick_strategy`; all three give the same sums (tested).
     """
     t, k = experts.shape
     n_local = gate_up.shape[0]
-    if grouped is None:  # CPU's grouped_mm copies every group's weights: for a few rows the loop reads less
-        grouped = grouped_mm_available(x.device, x.dtype) and (x.device.type != "cpu" or t * k >= 8 * n_local)
+    strategy = strategy or pick_strategy(x.device, x.dtype, t * k, n_local)
     local = experts - first_expert
     mine = (local >= 0) & (local < n_local)
+    wide = torch.promote_types(x.dtype, torch.float32)  # float32 math for bf16; float64 stays float64
+    if strategy == "gather":  # rows in (token, slot) order: no sorting at all
+        ids = local.clamp(0, n_local - 1).reshape(-1)
+        xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, 1, x.shape[-1])
+        ys = ops.expert_ffn(xs, gate_up[ids], down[ids], c.swiglu_alpha, c.swiglu_limit).squeeze(1)
+        contrib = torch.where(mine.reshape(-1, 1), (ys.to(wide) * weights.reshape(-1, 1)).to(x.dtype), 0.0)
+        return contrib.view(t, k, -1).sum(dim=1)
     key = torch.where(mine, local, n_local).reshape(-1)  # tokens of other ranks sort last
     order = torch.argsort(key, stable=True)
     counts = torch.zeros(n_local + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     xs = x[order // k]
-    if grouped:
+    if strategy == "grouped":
         offs = counts[:n_local].cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(xs, gate_up, offs=offs).chunk(2, dim=-1)
         ys = torch._grouped_mm(ops.swiglu_oai(gate, up, c.swiglu_alpha, c.swiglu_limit), down, offs=offs)
-    else:
+    elif strategy == "loop":
         ys = torch.zeros(t * k, x.shape[-1], dtype=x.dtype, device=x.device)
         start = 0
-        for e, n in enumerate(counts[:n_local].tolist()):  # host sync: the fallback only
+        for e, n in enumerate(counts[:n_local].tolist()):  # host read: the fallback only
             if n:
                 ys[start:start + n] = ops.expert_ffn(xs[start:start + n], gate_up[e], down[e], c.swiglu_alpha,
                                                      c.swiglu_limit)
             start += n
+    else:
+        raise ValueError(f"MoE strategy {strategy!r}; choose grouped, gather or loop")
     w_sorted = torch.where(mine.reshape(-1), weights.reshape(-1), 0.0)[order]
     # rows past the last group's end are not written by grouped_mm: select, never multiply, them away
     valid = (key[order] < n_local).unsqueeze(-1)
-    wide = torch.promote_types(ys.dtype, torch.float32)  # float32 math for bf16; float64 stays float64
     contrib = torch.where(valid, (ys.to(wide) * w_sorted[:, None]).to(x.dtype), 0.0)
     unsorted = torch.empty_like(contrib).index_copy_(0, order, contrib)  # back to (token, slot) order
     return unsorted.view(t, k, -1).sum(dim=1)
