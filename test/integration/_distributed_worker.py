@@ -6,6 +6,8 @@ bitwise those of rank 0 (all ranks must agree, or the engines would drift apart 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -22,8 +24,13 @@ def run(rank: int, world: int, ckpt: str, init_file: str, out: str, eps: list[in
     results = {}
     try:
         for ep, dtype in [(ep, dt) for ep in eps for dt in dtypes]:
-            plan = ShardPlan(world=world, rank=rank, ep=ep)
-            eng = ReferenceEngine(load_model(ckpt, "cpu", dtype, plan=plan), max_seq_len=256)
+            if dtype == torch.float32:  # the torchrun route: the engine joins the group from the environment
+                os.environ.update(WORLD_SIZE=str(world), MINIMAX_M3_EP=str(ep))
+                eng = ReferenceEngine.from_pretrained(ckpt, device="cpu", dtype="float32", max_seq_len=256)
+                assert eng.model.plan == ShardPlan(world=world, rank=rank, ep=ep)
+            else:
+                plan = ShardPlan(world=world, rank=rank, ep=ep)
+                eng = ReferenceEngine(load_model(ckpt, "cpu", dtype, plan=plan), max_seq_len=256)
             pre = eng.prefill_logits(prompts)
             gen = eng.generate(prompts, GenerationConfig(max_new_tokens=steps, return_logits=True))
             mine = torch.cat([p.flatten() for p in pre] + [g.step_logits.flatten() for g in gen])
