@@ -18,12 +18,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
     """
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
-    qg = q.view(b, hkv, hq // hkv, t, d)
-    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale  # [B, G, R, T, S]
+    r = hq // hkv
+    qg = q.reshape(b, hkv, r * t, d)  # a group's query heads stacked as rows: K/V are read once, never copied
+    scores = (torch.matmul(qg, k.transpose(-1, -2)) * scale).view(b, hkv, r, t, s)
     scores = scores.float().masked_fill(~keep.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v.unsqueeze(2))  # [B, G, R, T, D]
-    return out.reshape(b, hq, t, d)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, r * t, s)
+    return torch.matmul(probs, v).view(b, hq, t, d)
 
 
 def causal_keep(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -73,9 +73,10 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
     b, g, s, d = cache.shape
     k = blocks.shape[-1]
     nblk = s // block_size
-    paged = cache.view(b, g, nblk, block_size, d)
-    idx = blocks.clamp(min=0).view(b, g, k, 1, 1).expand(b, g, k, block_size, d)
-    return torch.gather(paged, 2, idx).reshape(b, g, k * block_size, d)
+    paged = cache.reshape(b * g * nblk, block_size, d)
+    base = torch.arange(b * g, device=cache.device).view(b, g, 1) * nblk
+    rows = (base + blocks.clamp(min=0)).reshape(-1)  # one index per selected block, not per element
+    return paged.index_select(0, rows).view(b, g, k * block_size, d)
 
 
 def decode_attention_sparse(
