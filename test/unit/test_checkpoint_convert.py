@@ -250,3 +250,33 @@ def test_cli_inspect_and_convert(synth, tmp_path, capsys):
     next(bad.glob("model-*.safetensors")).write_bytes(b"\x00" * 4)
     assert main(["inspect", str(bad), "--json"]) == 1
     assert "too short" in capsys.readouterr().out
+
+
+def test_buffer_pool_recycles_its_own_buffers_only():
+    from minimax_m3.checkpoint.reader import BufferPool
+
+    pool = BufferPool(idle_bytes=3 << 20)
+    a = pool.take(1 << 20)
+    ptr = a.data_ptr()
+    pool.give(a.view(torch.bfloat16).view(16, -1))  # any view of it returns the whole buffer
+    assert pool.take(1 << 20).data_ptr() == ptr
+    pool.give(torch.empty(1 << 20, dtype=torch.uint8))  # not the pool's: ignored
+    assert pool._idle == 0
+    big = [pool.take(2 << 20) for _ in range(2)]
+    small = pool.take(1 << 20)
+    pool.give(small)
+    for b in big:  # over the idle budget: buffers of other sizes are freed first
+        pool.give(b)
+    assert pool._idle == 2 << 20 and [k for k, v in pool._free.items() if v] == [2 << 20]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_streamed_expert_slabs_equal_the_rule_transforms(synth, tmp_path, fmt):
+    """convert writes fused experts slab by slab; the bytes equal apply_rule's whole-tensor transforms."""
+    out = tmp_path / "nx"
+    convert(synth[fmt], out, to="neuron", tp=2, progress=False)
+    sd = _load_dir(out)
+    streamed = dict(stream_state_dict(synth[fmt], "neuron", tp=2))
+    fused = [k for k in sd if k.endswith(("gate_up_proj.weight", "down_proj.weight")) and ".expert_mlps." in k]
+    assert fused and streamed.keys() == sd.keys()
+    assert all(sd[k].dtype == streamed[k].dtype and torch.equal(sd[k], streamed[k]) for k in sd)

@@ -136,3 +136,39 @@ def test_nvfp4_bad_global_scale_is_an_error():
     packed, ws, _ = F.nvfp4_quantize(torch.randn(2, 32))
     with pytest.raises(F.FormatError, match="weight_scale_2"):
         F.nvfp4_dequantize(packed, ws, torch.tensor(float("nan")), 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("top", [134, 135, 254])  # <= 134: one multiply by 2^(s-7); above: two
+def test_mxfp8_native_path_equals_table_for_every_code_and_scale(dtype, top):
+    """The bit-manipulation path against the table of exact products, bit for bit, for every finite e4m3 byte under
+    every finite scale (a ragged tail included); tensors with NaN codes go to the table and keep its NaN bits."""
+    codes = torch.tensor([c for c in range(256) if c % 128 != 127], dtype=torch.uint8)  # 254 finite codes
+    n = len(codes) * 32 + 7  # every code in every block, then a 7-element tail with its own scale
+    q = torch.cat([codes.repeat_interleave(32), codes[100:107]]).repeat(top + 1, 1).view(torch.float8_e4m3fn)
+    s = torch.arange(top + 1, dtype=torch.uint8)[:, None].repeat(1, len(codes) + 1)
+    s[:, -1] = s[:, -1].flip(0)
+    native, table = torch.empty(top + 1, n, dtype=dtype), torch.empty(top + 1, n, dtype=dtype)
+    F._mx_native(q, s, native)
+    F._mx_table(q, s, table)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(native.view(bits), table.view(bits))
+    if top == 134:  # the public entry (no overflow possible), with and without NaN codes
+        assert torch.equal(F.mxfp8_dequantize(q, s, dtype).view(bits), table.view(bits))
+        qn = q.view(torch.uint8).clone()
+        qn[3, 5], qn[7, 40] = 0x7F, 0xFF
+        qn = qn.view(torch.float8_e4m3fn)
+        ref = torch.empty(top + 1, n, dtype=dtype)
+        F._mx_table(qn, s, ref)
+        got = F.mxfp8_dequantize(qn, s, dtype)
+        assert torch.isnan(got[3, 5]) and torch.isnan(got[7, 40]) and torch.equal(got.view(bits), ref.view(bits))
+
+
+def test_mxfp8_dequantize_into_a_given_buffer():
+    g = torch.Generator().manual_seed(5)
+    q, s = F.mxfp8_quantize(torch.randn(8, 70, generator=g))
+    out = torch.full((8, 70), 7.0, dtype=torch.bfloat16)
+    assert F.mxfp8_dequantize(q, s, torch.bfloat16, out=out) is not None
+    assert torch.equal(out, _mx_oracle(q, s.tolist()).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="does not fit"):
+        F.mxfp8_dequantize(q, s, torch.float32, out=out)

@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from ..config import M3Config
-from .mapping import BF16, REFERENCE, RuleTable, apply_rule, layer_units, target_name, unit_rules
-from .reader import DTYPE_NAMES, INDEX
+from .mapping import BF16, REFERENCE, RuleTable, _sources, apply_rule, layer_units, target_name, unit_rules
+from .reader import DTYPE_NAMES, INDEX, BufferPool
 from .source import Source
 from .validate import open_checkpoint
 
@@ -134,13 +134,19 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 
 
 Opener = Callable[[Path], object]
-OVERLAP_LIMIT = 64 << 20  # tensors at least this big are fully written before the next rule starts
+OVERLAP_LIMIT = 64 << 20  # pieces at least this big are fully written before the next one is produced
+# the pipeline (this thread computes, a writer thread writes) already uses the cores; torch's intra-op threads on
+# top of it only contend (measured slower for the chunked dequantization and the transposes)
+TORCH_THREADS = int(os.environ.get("MINIMAX_M3_CONVERT_THREADS", "1"))
+PIECES_AHEAD = 2  # produced pieces waiting for the writer (each at most one expert slab or one small tensor)
 
 
-def _write_shard(path: Path, entries: list[Planned], produce, opener: Opener) -> tuple[int, int]:
-    """Write header then tensors as ``produce(entry)`` yields them (written by a helper thread while the next
-    rule computes); returns (size, crc32). Removes the file on any failure."""
-    q: queue.Queue = queue.Queue(maxsize=1)
+def _write_shard(path: Path, entries: list[Planned], produce, opener: Opener,
+                 pool: BufferPool | None = None) -> tuple[int, int]:
+    """Write header then each entry's bytes as ``produce(entry)`` yields them — the whole tensor, or its slices
+    along dim 0 in order — by a helper thread (file write and CRC32 release the GIL) while the next piece is
+    produced; written pieces go back to ``pool``. Returns (size, crc32). Removes the file on any failure."""
+    q: queue.Queue = queue.Queue(maxsize=PIECES_AHEAD)
     err: list[BaseException] = []
     state = {"crc": 0, "size": 0}
 
@@ -152,7 +158,10 @@ def _write_shard(path: Path, entries: list[Planned], produce, opener: Opener) ->
                     f.write(mv)
                     state["crc"] = zlib.crc32(mv, state["crc"])
                     state["size"] += len(mv)
-                    del item, mv
+                    del mv
+                    if pool is not None:
+                        pool.give(item)
+                    del item
                 finally:
                     q.task_done()
         except BaseException as exc:  # noqa: BLE001 — re-raised in the caller
@@ -169,17 +178,25 @@ def _write_shard(path: Path, entries: list[Planned], produce, opener: Opener) ->
             th.start()
             try:
                 for e in entries:
+                    pieces = 0
+                    for t in produce(e):
+                        if err:
+                            break
+                        whole = tuple(t.shape) == e.shape and pieces == 0
+                        if t.dtype != e.dtype or not (whole or (e.shape and tuple(t.shape) == e.shape[1:])):
+                            raise ConversionError(f"{e.name}: produced {t.dtype}{list(t.shape)} but the plan says "
+                                                  f"{e.dtype}{list(e.shape)} (a rule's transform is not "
+                                                  "shape-stable)")
+                        pieces += e.shape[0] if whole and e.shape else 1
+                        big = t.numel() * t.element_size() >= OVERLAP_LIMIT
+                        q.put(t)
+                        del t
+                        if big:  # a large piece is not held while the next one is produced
+                            q.join()
                     if err:
                         break
-                    t = produce(e)
-                    if tuple(t.shape) != e.shape or t.dtype != e.dtype:
-                        raise ConversionError(f"{e.name}: produced {t.dtype}{list(t.shape)} but the plan says "
-                                              f"{e.dtype}{list(e.shape)} (a rule's transform is not shape-stable)")
-                    big = e.nbytes >= OVERLAP_LIMIT
-                    q.put(t)
-                    del t
-                    if big:  # a large tensor is not held while the next rule computes: peak ~ one rule
-                        q.join()
+                    if pieces != (e.shape[0] if e.shape else 1):
+                        raise ConversionError(f"{e.name}: produced {pieces} of {e.shape[0]} slices")
             finally:
                 q.put(None)
                 th.join()
@@ -191,6 +208,26 @@ def _write_shard(path: Path, entries: list[Planned], produce, opener: Opener) ->
         path.unlink(missing_ok=True)
         raise
     return state["size"], state["crc"]
+
+
+def _expert_slabs(source: Source, rule, unit: int, c: M3Config, dtype: torch.dtype, pool: BufferPool):
+    """Expert by expert, ``cat([source[k] ...], 0).t()`` of an ``expert_slabs`` rule (see mapping): the sources
+    are read (dequantized) straight into one stacked buffer, transposed into a slab, and the slab is yielded — the
+    bytes of ``out[k]`` of the rule's ``[E, ...]`` result, without ever holding all experts."""
+    keys = [_sources(t, unit, c) for t in rule.sources]
+    rows = [source.logical[k[0]].shape[0] for k in keys]
+    cols = source.logical[keys[0][0]].shape[1]
+    n = sum(rows) * cols * dtype.itemsize
+    for x in range(len(keys[0])):
+        stacked = pool.take(n).view(dtype).view(sum(rows), cols)
+        r0 = 0
+        for k, m in zip(keys, rows):
+            source.get(k[x], dtype, out=stacked[r0:r0 + m], pool=pool)
+            r0 += m
+        slab = pool.take(n).view(dtype).view(cols, sum(rows))
+        slab.copy_(stacked.t())  # contiguous destination: torch's blocked transpose
+        pool.give(stacked)
+        yield slab
 
 
 def file_crc(path: Path, chunk: int = 1 << 24) -> int:
@@ -241,10 +278,13 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
     for leftover in stage.glob("*.tmp"):
         leftover.unlink()
     opener = opener or (lambda p: open(p, "wb"))
-    cast_get = lambda k, dt: source.get(k, dt)  # noqa: E731
+    pool = BufferPool()
+    cast_get = lambda k, dt: source.get(k, dt, pool=pool)  # noqa: E731
     full_get = source.get
     bar = _progress(sum(e.nbytes for _, es in plan.units for e in es), progress)
     resumed = 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
     try:
         for shard, (unit, entries) in zip(plan.shards, plan.units):
             size = sum(e.nbytes for e in entries)
@@ -257,12 +297,15 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
             done.pop(shard, None)
 
             def produce(e: Planned):
-                t = apply_rule(e.rule, e.unit, c, full_get, dtype, cast_get)
+                r = e.rule
+                if getattr(r.transform, "expert_slabs", False) and dtype and not (r.keep_fp32 or r.fp32_math):
+                    yield from _expert_slabs(source, r, e.unit, c, dtype, pool)
+                else:
+                    yield apply_rule(r, e.unit, c, full_get, dtype, cast_get)
                 bar(e.nbytes)
-                return t
 
             tmp = path.with_name(path.name + ".tmp")
-            nbytes, crc = _write_shard(tmp, entries, produce, opener)
+            nbytes, crc = _write_shard(tmp, entries, produce, opener, pool)
             os.replace(tmp, path)
             done[shard] = {"size": nbytes, "crc32": crc}
             _save_json(journal_path, {"fingerprint": fp, "done": done})
@@ -275,6 +318,7 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
                               f"shard(s) are kept, verified, in {stage} (no partial file, {out} untouched); rerun "
                               f"the same command to resume, or delete {stage}") from exc
     finally:
+        torch.set_num_threads(threads)
         bar(None)
     _finish(stage, report, plan, to)
     aud = audit_conversion(source, plan, stage, done, resumed, check=verify)

@@ -138,8 +138,9 @@ def mxfp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def mxfp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-                     name: str = "tensor") -> torch.Tensor:
-    """Exact ``e4m3(q) * 2^(scale - 127)`` per 1×32 block, processed in row chunks; returns ``dtype``."""
+                     name: str = "tensor", out: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact ``e4m3(q) * 2^(scale - 127)`` per 1×32 block, processed in row chunks; returns ``dtype`` (into ``out``,
+    a contiguous tensor of ``q``'s size, when given)."""
     if q.dtype != torch.float8_e4m3fn:
         raise FormatError(f"{name}: MXFP8 weight must be float8_e4m3fn, got {q.dtype}")
     if scale.dtype != torch.uint8:
@@ -147,30 +148,88 @@ def mxfp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     if tuple(scale.shape) != mxfp8_scale_shape(tuple(q.shape)):
         raise FormatError(f"{name}: weight_scale_inv shape {list(scale.shape)} should be "
                           f"{list(mxfp8_scale_shape(tuple(q.shape)))} for weight {list(q.shape)}")
-    bad = int((scale == 255).sum())
-    if bad:
+    smax = int(scale.max()) if scale.numel() else 0
+    if smax == 255:
+        bad = int((scale == 255).sum())
         raise FormatError(f"{name}: {bad} E8M0 scale(s) are 255 (NaN); the checkpoint is corrupt — re-download it")
-    qv = q.reshape(-1, q.shape[-1]).view(torch.uint8).numpy()
-    sv = scale.reshape(-1, scale.shape[-1]).numpy()
     n = q.shape[-1]
-    out = torch.empty(qv.shape, dtype=dtype)
-    lut = _mx_lut(dtype)
-    ov = out.view(_INT_VIEW.get(dtype, dtype)).numpy()
+    q2 = q.reshape(-1, n)
+    s2 = scale.reshape(-1, scale.shape[-1])
+    if out is None:
+        out = torch.empty(q2.shape, dtype=dtype)
+    elif out.dtype != dtype or out.numel() != q2.numel() or not out.is_contiguous():
+        raise ValueError(f"{name}: output buffer {out.dtype}{list(out.shape)} does not fit {dtype}{list(q.shape)}")
+    o2 = out.view(q2.shape)
+    qu = q2.view(torch.uint8)
+    nan = q2.numel() and (int(qu.max()) == 0xFF or int(qu.view(torch.int8).max()) == 0x7F)  # e4m3fn NaN codes
+    if dtype in (torch.bfloat16, torch.float32) and not nan:
+        _mx_native(q2, s2, o2)
+    else:
+        _mx_table(q2, s2, o2)
+    if smax >= 247 and not torch.isfinite(o2).all():
+        raise FormatError(f"{name}: dequantized values overflow {dtype}; scales up to {smax} are "
+                          "outside any real checkpoint's range — the file is corrupt")
+    return out.view(q.shape)
+
+
+# e4m3 byte → the bits of e4m3 · 2^-120 in bf16 / fp32: sign-extend the byte, shift its 7 exponent+mantissa bits
+# under the wider exponent field, keep sign | those bits. (exponent e, mantissa m) lands as exponent field e, so a
+# normal code reads 2^(e-127)·1.m = value·2^-120, and a subnormal code (e = 0) reads the subnormal 0.m·2^-126 — also
+# value·2^-120. Multiplying by 2^(s-7) then gives value · 2^(s-127) exactly.
+_RAW = {torch.bfloat16: (torch.int16, 4, -0x7810), torch.float32: (torch.int32, 20, -0x78100000)}
+
+
+def _mx_native(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
+    """bf16/fp32 output by bit manipulation plus one multiply by a power of two per block; equal to the table
+    (``test_mxfp8_native_path_equals_table_for_every_code_and_scale`` checks all 256 codes x 255 scales).
+
+    Exact: e4m3 · 2^-120 is a bf16/fp32 number (above); 2^(s-7) is one for s ≤ 134; torch multiplies bf16 in
+    float32, where the product (a 4-bit significand times a power of two, at least 2^-136) is exact, and rounds once
+    to ``out``'s dtype — the table's ``(e4m3 · 2^(s-127) in fp32).to(dtype)``. Larger scales take two multiplies
+    (by 2^120, exact, then by 2^(s-127)). NaN codes (0x7F, 0xFF) are not handled: tensors holding one take the
+    table (``mxfp8_dequantize`` checks), so even NaN bits agree."""
+    rows, n = q.shape
+    full = (n // MX_BLOCK) * MX_BLOCK
+    nb = full // MX_BLOCK
+    ity, shift, mask = _RAW[out.dtype]
+    two_step = int(s.max()) > 134 if s.numel() else False
+    pw = e8m0_to_float(s) if two_step else e8m0_to_float(s) * 2.0**120  # 2^(s-7), exact in fp32
+    pw = pw.to(out.dtype)
+    qu = q.view(torch.uint8)
+    oi = out.view(ity)
+    step = max(1, (1 << 18) // max(1, n))  # ~256k elements per step: every pass stays in cache
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        o, x = out[r0:r1], qu[r0:r1]
+        raw = oi[r0:r1]
+        raw.copy_(x.view(torch.int8))
+        raw.bitwise_left_shift_(shift).bitwise_and_(mask)
+        if two_step:
+            o.mul_(2.0**120)
+        if full:
+            o[:, :full].unflatten(-1, (nb, MX_BLOCK)).mul_(pw[r0:r1, :nb, None])
+        if full < n:
+            o[:, full:].mul_(pw[r0:r1, -1:])
+
+
+def _mx_table(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
+    """Any other dtype: one lookup per element in the table of all products (index ``scale << 8 | e4m3 byte``)."""
+    qv = q.view(torch.uint8).numpy()
+    sv = s.numpy()
+    n = q.shape[-1]
+    lut = _mx_lut(out.dtype)
+    ov = out.view(_INT_VIEW.get(out.dtype, out.dtype)).numpy()
     rows = max(1, _CHUNK_ELEMS // max(1, n))
     full = (n // MX_BLOCK) * MX_BLOCK
     nb = full // MX_BLOCK
     for r0 in range(0, qv.shape[0], rows):
         r1 = min(r0 + rows, qv.shape[0])
-        if full:  # one table lookup per element: index = scale << 8 | e4m3 byte
+        if full:
             idx = (sv[r0:r1, :nb, None].astype(np.uint16) << 8) | qv[r0:r1, :full].reshape(r1 - r0, nb, MX_BLOCK)
             np.take(lut, idx, out=ov[r0:r1, :full].reshape(r1 - r0, nb, MX_BLOCK), mode="clip")
         if full < n:
             idx = (sv[r0:r1, -1:].astype(np.uint16) << 8) | qv[r0:r1, full:]
             ov[r0:r1, full:] = np.take(lut, idx)
-    if int(scale.max()) >= 247 and not torch.isfinite(out).all():
-        raise FormatError(f"{name}: dequantized values overflow {dtype}; scales up to {int(scale.max())} are "
-                          "outside any real checkpoint's range — the file is corrupt")
-    return out.reshape(q.shape)
 
 
 # ---- NVFP4 --------------------------------------------------------------------------------------

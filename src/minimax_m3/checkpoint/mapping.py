@@ -58,6 +58,12 @@ def _experts_down(ts: Sequence) -> torch.Tensor:
     return out
 
 
+# out[k] = cat([source[k] for each source], dim 0).t() for every expert k: convert streams these expert by expert
+# (``convert._expert_slabs``) instead of building the whole [E, ...] result; the result is the same bytes.
+_experts_gate_up.expert_slabs = True
+_experts_down.expert_slabs = True
+
+
 @dataclass(frozen=True)
 class Rule:
     target: str

@@ -11,6 +11,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,53 @@ if hasattr(torch, "float8_e8m0fnu"):
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
 _OWN_MAP = 1 << 20
+
+
+def anonymous(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uint8 in an anonymous mapping of their own: returned to the OS the moment the tensor dies (heap
+    chunks freed by malloc often stay resident, which would keep a converted rule's sources in RSS)."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
+class BufferPool:
+    """Recycled byte buffers for large tensors, keyed by exact size. Reusing pages that are already mapped skips the
+    kernel's page faults and zero-fill, which cost more than the copy itself. ``give`` only what nobody else still
+    uses; the pool keeps at most ``idle_bytes`` of idle buffers (the rest are freed)."""
+
+    def __init__(self, idle_bytes: int = 256 << 20):
+        self.idle_bytes = idle_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._mine: dict[int, int] = {}  # data pointer -> size of the buffers this pool allocated
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self._idle -= nbytes
+                return free.pop()
+        buf = anonymous(nbytes)
+        with self._lock:
+            self._mine[buf.data_ptr()] = nbytes
+        return buf
+
+    def give(self, t: torch.Tensor) -> None:
+        """Return the whole buffer behind ``t`` (any view of a buffer from :meth:`take`); others are ignored. Idle
+        buffers beyond ``idle_bytes`` are freed, those of other sizes first (sizes in use change with the tensors)."""
+        st = t.untyped_storage()
+        ptr, nbytes = st.data_ptr(), st.nbytes()
+        with self._lock:
+            if self._mine.get(ptr) != nbytes or nbytes > self.idle_bytes:
+                self._mine.pop(ptr, None)
+                return
+            for size in sorted(self._free, key=lambda k: (k == nbytes, -k)):
+                free = self._free[size]
+                while free and self._idle + nbytes > self.idle_bytes:
+                    self._mine.pop(free.pop().data_ptr(), None)
+                    self._idle -= size
+            self._idle += nbytes
+            self._free.setdefault(nbytes, []).append(torch.empty(0, dtype=torch.uint8).set_(st))
 
 
 class CheckpointError(ValueError):
@@ -167,20 +215,25 @@ class CheckpointReader:
     def shape(self, key: str) -> list[int]:
         return list(self.info(key).shape)
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, out: torch.Tensor | None = None, pool: "BufferPool | None" = None) -> torch.Tensor:
+        """Tensor ``key`` read from disk. ``out`` (contiguous, ``key``'s byte size, any dtype) receives the bytes and
+        is returned viewed as ``key``; else the memory comes from ``pool`` (recycled pages) or is freshly mapped."""
         info = self.info(key)
         f = self._files.get(info.shard)
         if f is None:
             f = self._files[info.shard] = open(self.root / info.shard, "rb", buffering=0)
-        if info.nbytes >= _OWN_MAP:
-            # an anonymous mapping of its own: returned to the OS the moment the tensor dies (heap chunks freed by
-            # malloc often stay resident, which would keep a converted rule's sources in RSS)
-            region = mmap.mmap(-1, info.nbytes)
-            buf = torch.frombuffer(region, dtype=torch.uint8)
-            mv = memoryview(region)
+        if out is not None:
+            if not out.is_contiguous() or out.numel() * out.element_size() != info.nbytes:
+                raise ValueError(f"{key}: read buffer of {out.numel() * out.element_size()} bytes (contiguous: "
+                                 f"{out.is_contiguous()}) cannot hold {info.nbytes}")
+            buf = out.reshape(-1).view(torch.uint8)
+        elif pool is not None and info.nbytes >= _OWN_MAP:
+            buf = pool.take(info.nbytes)
+        elif info.nbytes >= _OWN_MAP:
+            buf = anonymous(info.nbytes)
         else:
             buf = torch.empty(info.nbytes, dtype=torch.uint8)
-            mv = memoryview(buf.numpy())
+        mv = memoryview(buf.numpy()) if info.nbytes else memoryview(b"")
         got = 0
         while got < info.nbytes:  # one call moves at most ~2 GiB on Linux
             n = os.preadv(f.fileno(), [mv[got:]], info.start + got)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import formats as F
-from .reader import DTYPE_NAMES, CheckpointError, CheckpointReader
+from .reader import DTYPE_NAMES, BufferPool, CheckpointError, CheckpointReader
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 COMPANIONS = (".weight_scale_inv", ".weight_scale_2", ".weight_scale", ".input_scale")
@@ -204,19 +204,42 @@ class Source:
         lg = self.logical[key]
         return torch.float32 if lg.encoding != "plain" else lg.stored_dtype
 
-    def get(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The release tensor ``key``: dequantized (float32 unless ``dtype``) or as stored (cast to ``dtype``)."""
+    def get(self, key: str, dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+            pool: BufferPool | None = None) -> torch.Tensor:
+        """The release tensor ``key``: dequantized (float32 unless ``dtype``) or as stored (cast to ``dtype``).
+
+        ``out`` (contiguous, ``dtype``, ``key``'s size) receives the result; ``pool`` supplies recycled memory for
+        the result and for stored bytes that are only an intermediate (they are given back to it)."""
         if key not in self.logical:
             raise KeyError(f"tensor {key!r} is not in the checkpoint at {self.reader.root}")
         lg = self.logical[key]
         r = self.reader
+        want = dtype or self.out_dtype(key)
+        if out is None and pool is not None:
+            n = 1
+            for d in lg.shape:
+                n *= d
+            if n * want.itemsize >= (1 << 20):
+                out = pool.take(n * want.itemsize).view(want).view(lg.shape)
         if lg.encoding == "mxfp8":
-            return F.mxfp8_dequantize(r.get(lg.files[0]), r.get(lg.files[1]), dtype or torch.float32, key)
+            q = r.get(lg.files[0], pool=pool)
+            t = F.mxfp8_dequantize(q, r.get(lg.files[1]), want, key, out)
+            if pool is not None:
+                pool.give(q)
+            return t
         if lg.encoding == "nvfp4":
-            return F.nvfp4_dequantize(r.get(lg.files[0]), r.get(lg.files[1]), r.get(lg.files[2]).reshape(()),
-                                      lg.shape[1], dtype or torch.float32, key)
-        t = r.get(key)
-        return t if dtype is None or t.dtype == dtype else t.to(dtype)
+            t = F.nvfp4_dequantize(r.get(lg.files[0]), r.get(lg.files[1]), r.get(lg.files[2]).reshape(()),
+                                   lg.shape[1], want, key)
+            return t if out is None else out.copy_(t.view(out.shape))
+        if out is not None and want == lg.stored_dtype:
+            return r.get(key, out=out)
+        t = r.get(key, pool=pool)
+        if out is not None:
+            out.copy_(t.view(out.shape))
+            if pool is not None:
+                pool.give(t)
+            return out
+        return t if t.dtype == want else t.to(want)
 
     def nbytes(self, key: str) -> int:
         return sum(self.reader.info(f).nbytes for f in self.logical[key].files)
