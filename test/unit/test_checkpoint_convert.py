@@ -189,9 +189,9 @@ class _FailingWriter:
 @pytest.mark.parametrize("overlap_limit", [64 << 20, 0])  # 0: every tensor waits for its write (the big-tensor path)
 @pytest.mark.parametrize("exc", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
 def test_full_disk_or_interrupt_then_resume(synth, tmp_path, exc, overlap_limit, monkeypatch):
-    import minimax_m3.checkpoint.convert as conv
+    import minimax_m3.checkpoint.pipeline as pipe
 
-    monkeypatch.setattr(conv, "OVERLAP_LIMIT", overlap_limit)
+    monkeypatch.setattr(pipe, "OVERLAP_LIMIT", overlap_limit)
     clean = tmp_path / "clean"
     convert(synth["nvfp4"], clean, to="neuron", tp=2, progress=False)
     out = tmp_path / "out"

@@ -13,17 +13,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import shutil
-import threading
 import zlib
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from ..config import M3Config
+from .direct import DirectFile
+from .pipeline import Opener, ShapeError, write_shard
 from .mapping import BF16, REFERENCE, RuleTable, _sources, apply_rule, layer_units, target_name, unit_rules
 from .reader import DTYPE_NAMES, INDEX, BufferPool
 from .source import Source
@@ -126,108 +126,32 @@ def _header(entries: list[Planned]) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    flat = t.contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-
-
-Opener = Callable[[Path], object]
-OVERLAP_LIMIT = 64 << 20  # pieces at least this big are fully written before the next one is produced
-# the pipeline (this thread computes, a writer thread writes) already uses the cores; torch's intra-op threads on
-# top of it only contend (measured slower for the chunked dequantization and the transposes)
+# the pipeline's threads (workers computing pieces, a writer) already use the cores; torch's intra-op threads on top
+# of them only contend (measured slower for the chunked dequantization and the transposes)
 TORCH_THREADS = int(os.environ.get("MINIMAX_M3_CONVERT_THREADS", "1"))
-PIECES_AHEAD = 2  # produced pieces waiting for the writer (each at most one expert slab or one small tensor)
 
 
-def _write_shard(path: Path, entries: list[Planned], produce, opener: Opener,
-                 pool: BufferPool | None = None) -> tuple[int, int]:
-    """Write header then each entry's bytes as ``produce(entry)`` yields them — the whole tensor, or its slices
-    along dim 0 in order — by a helper thread (file write and CRC32 release the GIL) while the next piece is
-    produced; written pieces go back to ``pool``. Returns (size, crc32). Removes the file on any failure."""
-    q: queue.Queue = queue.Queue(maxsize=PIECES_AHEAD)
-    err: list[BaseException] = []
-    state = {"crc": 0, "size": 0}
-
-    def writer(f):
-        try:
-            while (item := q.get()) is not None:
-                try:
-                    mv = _bytes_view(item)
-                    f.write(mv)
-                    state["crc"] = zlib.crc32(mv, state["crc"])
-                    state["size"] += len(mv)
-                    del mv
-                    if pool is not None:
-                        pool.give(item)
-                    del item
-                finally:
-                    q.task_done()
-        except BaseException as exc:  # noqa: BLE001 — re-raised in the caller
-            err.append(exc)
-            while q.get() is not None:
-                q.task_done()
-
-    try:
-        with opener(path) as f:
-            head = _header(entries)
-            f.write(head)
-            state["crc"], state["size"] = zlib.crc32(head), len(head)
-            th = threading.Thread(target=writer, args=(f,), daemon=True)
-            th.start()
-            try:
-                for e in entries:
-                    pieces = 0
-                    for t in produce(e):
-                        if err:
-                            break
-                        whole = tuple(t.shape) == e.shape and pieces == 0
-                        if t.dtype != e.dtype or not (whole or (e.shape and tuple(t.shape) == e.shape[1:])):
-                            raise ConversionError(f"{e.name}: produced {t.dtype}{list(t.shape)} but the plan says "
-                                                  f"{e.dtype}{list(e.shape)} (a rule's transform is not "
-                                                  "shape-stable)")
-                        pieces += e.shape[0] if whole and e.shape else 1
-                        big = t.numel() * t.element_size() >= OVERLAP_LIMIT
-                        q.put(t)
-                        del t
-                        if big:  # a large piece is not held while the next one is produced
-                            q.join()
-                    if err:
-                        break
-                    if pieces != (e.shape[0] if e.shape else 1):
-                        raise ConversionError(f"{e.name}: produced {pieces} of {e.shape[0]} slices")
-            finally:
-                q.put(None)
-                th.join()
-            if err:
-                raise err[0]
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    return state["size"], state["crc"]
-
-
-def _expert_slabs(source: Source, rule, unit: int, c: M3Config, dtype: torch.dtype, pool: BufferPool):
-    """Expert by expert, ``cat([source[k] ...], 0).t()`` of an ``expert_slabs`` rule (see mapping): the sources
-    are read (dequantized) straight into one stacked buffer, transposed into a slab, and the slab is yielded — the
-    bytes of ``out[k]`` of the rule's ``[E, ...]`` result, without ever holding all experts."""
+def _slab_tasks(source: Source, rule, unit: int, c: M3Config, dtype: torch.dtype, pool: BufferPool) -> list:
+    """One task per expert for an ``expert_slabs`` rule (see mapping): ``cat([source[k] ...], 0).t()``, the bytes
+    of ``out[k]`` of the rule's ``[E, ...]`` result. The sources are read (dequantized) straight into one stacked
+    buffer and transposed into a slab; all experts are never held at once."""
     keys = [_sources(t, unit, c) for t in rule.sources]
     rows = [source.logical[k[0]].shape[0] for k in keys]
     cols = source.logical[keys[0][0]].shape[1]
     n = sum(rows) * cols * dtype.itemsize
-    for x in range(len(keys[0])):
+
+    def slab(x: int) -> torch.Tensor:
         stacked = pool.take(n).view(dtype).view(sum(rows), cols)
         r0 = 0
         for k, m in zip(keys, rows):
             source.get(k[x], dtype, out=stacked[r0:r0 + m], pool=pool)
             r0 += m
-        slab = pool.take(n).view(dtype).view(cols, sum(rows))
-        slab.copy_(stacked.t())  # contiguous destination: torch's blocked transpose
+        out = pool.take(n).view(dtype).view(cols, sum(rows))
+        out.copy_(stacked.t())  # contiguous destination: torch's blocked transpose
         pool.give(stacked)
-        yield slab
+        return out
+
+    return [partial(slab, x) for x in range(len(keys[0]))]
 
 
 def file_crc(path: Path, chunk: int = 1 << 24) -> int:
@@ -277,7 +201,7 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
     stage.mkdir(parents=True, exist_ok=True)
     for leftover in stage.glob("*.tmp"):
         leftover.unlink()
-    opener = opener or (lambda p: open(p, "wb"))
+    opener = opener or DirectFile
     pool = BufferPool()
     cast_get = lambda k, dt: source.get(k, dt, pool=pool)  # noqa: E731
     full_get = source.get
@@ -296,16 +220,18 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
                 continue
             done.pop(shard, None)
 
-            def produce(e: Planned):
+            def tasks(e: Planned) -> list:
                 r = e.rule
                 if getattr(r.transform, "expert_slabs", False) and dtype and not (r.keep_fp32 or r.fp32_math):
-                    yield from _expert_slabs(source, r, e.unit, c, dtype, pool)
-                else:
-                    yield apply_rule(r, e.unit, c, full_get, dtype, cast_get)
-                bar(e.nbytes)
+                    return _slab_tasks(source, r, e.unit, c, dtype, pool)
+                return [partial(apply_rule, r, e.unit, c, full_get, dtype, cast_get)]
 
             tmp = path.with_name(path.name + ".tmp")
-            nbytes, crc = _write_shard(tmp, entries, produce, opener, pool)
+            try:
+                nbytes, crc = write_shard(tmp, _header(entries), entries, tasks, opener, pool,
+                                          done=lambda e: bar(e.nbytes))
+            except ShapeError as exc:
+                raise ConversionError(str(exc)) from None
             os.replace(tmp, path)
             done[shard] = {"size": nbytes, "crc32": crc}
             _save_json(journal_path, {"fingerprint": fp, "done": done})

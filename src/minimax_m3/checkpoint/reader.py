@@ -188,6 +188,7 @@ class CheckpointReader:
                     self.problems.append(f"{key}: stored in {shard} but absent from the index; regenerate the index")
         self.weight_map = {k: i.shard for k, i in self.infos.items()}
         self._files: dict[str, object] = {}
+        self._open_lock = threading.Lock()
         if strict and self.problems:
             raise CheckpointError(self.problems, str(self.root))
 
@@ -221,7 +222,10 @@ class CheckpointReader:
         info = self.info(key)
         f = self._files.get(info.shard)
         if f is None:
-            f = self._files[info.shard] = open(self.root / info.shard, "rb", buffering=0)
+            with self._open_lock:  # readers on several threads (preadv itself takes explicit offsets)
+                f = self._files.get(info.shard)
+                if f is None:
+                    f = self._files[info.shard] = open(self.root / info.shard, "rb", buffering=0)
         if out is not None:
             if not out.is_contiguous() or out.numel() * out.element_size() != info.nbytes:
                 raise ValueError(f"{key}: read buffer of {out.numel() * out.element_size()} bytes (contiguous: "
