@@ -1,8 +1,12 @@
 """Conversion throughput and peak memory on a multi-GB synthetic checkpoint (a script, not a test).
 
 Builds a bf16 checkpoint (wide hidden size, few layers) and its MXFP8 quantization in a temporary directory, then
-times, each in a fresh subprocess: a plain copy of the source shards (read + write + fsync), ``convert --to neuron``
-from bf16 and ``convert --to bf16`` from MXFP8. Prints GB/s beside the copy's and peak RSS beside the largest layer.
+times, each in a fresh subprocess: a plain copy of the source shards (``shutil.copyfile`` = copy_file_range, then
+fsync), ``convert --to neuron`` from bf16 and ``convert --to bf16`` from MXFP8. Prints GB/s beside the copy's and peak
+RSS beside the largest layer. Page cache: before each timed step the source shards are read once (untimed), so the
+copy and the conversion both read the same bytes from a warm cache; both end with every output byte fsynced.
+For information it also times a copy through the converter's own writer (O_DIRECT, ``checkpoint.direct``), since the
+conversion writes that way and a plain copy does not.
 
     .venv/bin/python scripts/bench_convert.py [--hidden 4096] [--experts 32] [--layers 3] [--dir /tmp]
 """
@@ -105,6 +109,20 @@ torch.empty(2, device="meta").float() + 1.0  # warm torch's lazy meta-kernel imp
 t0 = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], to=sys.argv[3], progress=False)
 """ + _TAIL
+DIRECT_COPY = """
+import os, sys, time
+from minimax_m3.checkpoint.direct import DirectFile
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst)
+buf = bytearray(32 << 20)
+t0 = time.perf_counter()
+for n in sorted(os.listdir(src)):
+    if n.endswith('.safetensors'):
+        with open(os.path.join(src, n), 'rb', buffering=0) as f, DirectFile(os.path.join(dst, n)) as g:
+            while k := f.readinto(buf):
+                g.write(memoryview(buf)[:k])
+            g.flush(); os.fsync(g.fileno())
+""" + _TAIL
 IDLE = """
 import time, torch, minimax_m3.checkpoint.convert
 t0 = time.perf_counter()
@@ -113,6 +131,15 @@ t0 = time.perf_counter()
 
 def _size(d: Path) -> int:
     return sum(p.stat().st_size for p in d.glob("*.safetensors"))
+
+
+def warm(d: Path) -> None:
+    """Read every shard once so that the timed step that follows reads from the page cache."""
+    buf = bytearray(64 << 20)
+    for p in sorted(d.glob("*.safetensors")):
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
 
 
 def largest_layer(out: Path) -> int:
@@ -139,9 +166,16 @@ def main() -> None:
         print(f"built checkpoints in {time.perf_counter() - t:.0f} s: bf16 {_size(tmp / 'bf16') / 1e9:.2f} GB, "
               f"mxfp8 {_size(tmp / 'mxfp8') / 1e9:.2f} GB ({tmp})")
         _, idle = _child(IDLE)
+        load0 = os.getloadavg()
         rows = []
         for name, src, to in (("bf16 -> neuron", "bf16", "neuron"), ("mxfp8 -> bf16", "mxfp8", "bf16")):
+            warm(tmp / src)
             copy_s, _ = _child(COPY, str(tmp / src), str(tmp / "copy"))
+            shutil.rmtree(tmp / "copy")
+            warm(tmp / src)
+            direct_s, _ = _child(DIRECT_COPY, str(tmp / src), str(tmp / "copy"))
+            shutil.rmtree(tmp / "copy")
+            warm(tmp / src)
             conv_s, rss = _child(CONVERT, str(tmp / src), str(tmp / "out"), to)
             src_b, out_b = _size(tmp / src), _size(tmp / "out")
             layer = largest_layer(tmp / "out")
@@ -149,15 +183,18 @@ def main() -> None:
             copy_gbs = src_b / copy_s / 1e9
             moved = max(src_b, out_b)
             conv_gbs = moved / conv_s / 1e9
-            rows.append((name, src_b, out_b, conv_s, conv_gbs, copy_s, copy_gbs, rss, layer))
-            shutil.rmtree(tmp / "copy")
+            rows.append((name, src_b, out_b, conv_s, conv_gbs, copy_s, copy_gbs, rss, layer, src_b / direct_s / 1e9))
             shutil.rmtree(tmp / "out")
-        print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, load avg {os.getloadavg()[0]:.1f}; "
-              f"idle python+torch RSS {idle / 1e9:.2f} GB")
-        for name, sb, ob, cs, cg, ks, kg, rss, layer in rows:
+        load1 = os.getloadavg()
+        print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, load avg (1/5/15 min) "
+              f"{'/'.join(f'{x:.1f}' for x in load0)} before, {'/'.join(f'{x:.1f}' for x in load1)} after; "
+              f"idle python+torch RSS {idle / 1e9:.2f} GB; source read once before each timed step (warm cache)")
+        for name, sb, ob, cs, cg, ks, kg, rss, layer, dg in rows:
             print(f"{name}: source {sb / 1e9:.2f} GB -> output {ob / 1e9:.2f} GB in {cs:.1f} s = {cg:.3f} GB/s "
                   f"(larger side) | plain copy {sb / 1e9:.2f} GB in {ks:.1f} s = {kg:.3f} GB/s | ratio "
                   f"{cg / kg:.2f} (target >= 0.60)")
+            print(f"{'':>{len(name)}}  [info] copy through the converter's O_DIRECT writer {dg:.3f} GB/s: "
+                  f"conversion at {cg / dg:.2f} of it")
             print(f"{'':>{len(name)}}  peak RSS {rss / 1e9:.2f} GB vs largest layer {layer / 1e9:.2f} GB = "
                   f"{rss / layer:.2f}x (target <= 1.5); above idle {(rss - idle) / layer:.2f}x")
     finally:

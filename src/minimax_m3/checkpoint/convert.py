@@ -2,8 +2,10 @@
 
 ``convert(src, out, to="bf16" | "neuron")`` validates the source first (every problem, one error), plans every
 output tensor's name/shape/dtype by running the rule table on meta tensors, then writes each unit's shard header
-followed by its tensors as the rules produce them — so host memory holds one rule's sources and result (plus the
-tensor being written), never a whole checkpoint. Shards go to ``OUT.partial/`` as ``*.tmp`` and are renamed once
+followed by its tensors as the rules produce them (:mod:`.pipeline`: a few pieces computed ahead on worker threads,
+fused expert tensors one expert slab at a time, buffers recycled, written with O_DIRECT by :mod:`.direct`) — so host
+memory holds a few pieces, or one large rule, never a whole layer. Shards go to ``OUT.partial/`` as ``*.tmp`` and are
+renamed once
 complete and fsynced; a journal records each finished shard's size and CRC32, so a rerun of the same command skips
 (and re-verifies) them. ``OUT`` itself appears only when everything is written, by one rename.
 """

@@ -23,6 +23,7 @@ from .reader import anonymous
 
 ALIGN = 4096
 STAGE = 16 << 20
+REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}  # no O_DIRECT here
 
 
 class DirectFile:
@@ -32,7 +33,7 @@ class DirectFile:
         try:
             self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if exc.errno not in REFUSED:
                 raise
             self.direct = False
             self.fd = os.open(path, flags, 0o644)
@@ -44,6 +45,9 @@ class DirectFile:
         mv = memoryview(data).cast("B")
         n = len(mv)
         if not self.direct:
+            if self.fill:  # staged before a fallback to buffered writes: those bytes come first
+                self._pwrite_all(memoryview(self.stage)[:self.fill])
+                self.fill = 0
             self._pwrite_all(mv)
             return n
         src = np.frombuffer(mv, dtype=np.uint8)
@@ -55,6 +59,8 @@ class DirectFile:
             done += k
             if self.fill == len(self.stage):
                 self._drain(self.fill)
+                if not self.direct:  # refused at the first write: the rest goes buffered
+                    return done + self.write(mv[done:]) if done < n else n
         return n
 
     def _drain(self, nbytes: int) -> None:
@@ -62,7 +68,7 @@ class DirectFile:
         try:
             self._pwrite_all(memoryview(self.stage)[:nbytes])
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if exc.errno not in REFUSED:
                 raise
             self._buffered()  # the filesystem accepted the flag at open but not the write
             self._pwrite_all(memoryview(self.stage)[:nbytes])
