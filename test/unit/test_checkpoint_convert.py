@@ -295,15 +295,15 @@ def test_direct_file_writes_exactly_the_bytes_given(tmp_path, monkeypatch, refus
         monkeypatch.setattr(direct.os, "open", lambda p, fl, *a: (_ for _ in ()).throw(OSError(errno.EINVAL, "no"))
                             if fl & getattr(os, "O_DIRECT", 0) else real_open(p, fl, *a))
     if refuse == "write":
-        real = direct.DirectFile._pwrite_all
+        real = direct.DirectFile._pwrite_at
         calls = []
 
-        def once(self, mv):
+        def once(self, mv, pos):
             calls.append(1)
             if len(calls) == 1:
                 raise OSError(errno.EINVAL, "Invalid argument")
-            return real(self, mv)
-        monkeypatch.setattr(direct.DirectFile, "_pwrite_all", once)
+            return real(self, mv, pos)
+        monkeypatch.setattr(direct.DirectFile, "_pwrite_at", once)
     g = torch.Generator().manual_seed(0)
     pieces = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (1008, 5000, 3 * 8192 + 3, 4096, 7)]
     path = tmp_path / "f.bin"
@@ -314,3 +314,24 @@ def test_direct_file_writes_exactly_the_bytes_given(tmp_path, monkeypatch, refus
         os.fsync(f.fileno())
         assert f.direct is False or refuse is None  # every fallback ends buffered; the tail always is
     assert path.read_bytes() == b"".join(bytes(p.numpy()) for p in pieces)
+
+
+def test_direct_file_reports_a_failed_background_write(tmp_path, monkeypatch):
+    import os
+
+    from minimax_m3.checkpoint import direct
+
+    real, calls = direct.DirectFile._pwrite_at, []
+
+    def second_fails(self, mv, pos):
+        calls.append(pos)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, mv, pos)
+    monkeypatch.setattr(direct.DirectFile, "_pwrite_at", second_fails)
+    data = memoryview(bytes(range(256)) * 200)  # 51200 bytes: several 8 KiB stage loads
+    with pytest.raises(OSError, match="No space left"):
+        with direct.DirectFile(tmp_path / "f.bin", stage_bytes=8192) as f:
+            f.write(data)
+            f.flush()
+    assert f.fd == -1 and os.path.exists(tmp_path / "f.bin")  # closed; the caller removes the file

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,9 @@ REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNO
 
 
 class DirectFile:
+    """``write``/``flush``/``fileno``/``close`` of a file opened ``O_DIRECT``. Two page-aligned stage buffers: while
+    one is written (by a helper thread; ``pwrite`` releases the GIL), the caller fills the other."""
+
     def __init__(self, path: str | Path, stage_bytes: int = STAGE):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.direct = hasattr(os, "O_DIRECT")
@@ -37,51 +41,72 @@ class DirectFile:
                 raise
             self.direct = False
             self.fd = os.open(path, flags, 0o644)
-        self.pos = 0  # file offset of the stage's first byte
+        self.pos = 0  # file offset of the current stage's first byte
         self.fill = 0
-        self.stage = anonymous(stage_bytes).numpy() if self.direct else None
+        self.stages = [anonymous(stage_bytes).numpy() for _ in range(2)] if self.direct else []
+        self.cur = 0
+        self._io: ThreadPoolExecutor | None = None
+        self._inflight: dict[int, tuple] = {}  # stage index -> (future, offset, nbytes)
 
     def write(self, data) -> int:
         mv = memoryview(data).cast("B")
         n = len(mv)
         if not self.direct:
+            self._settle_all()
             if self.fill:  # staged before a fallback to buffered writes: those bytes come first
-                self._pwrite_all(memoryview(self.stage)[:self.fill])
+                self._pwrite_at(memoryview(self.stages[self.cur])[:self.fill], self.pos)
+                self.pos += self.fill
                 self.fill = 0
-            self._pwrite_all(mv)
+            self._pwrite_at(mv, self.pos)
+            self.pos += n
             return n
         src = np.frombuffer(mv, dtype=np.uint8)
         done = 0
         while done < n:
-            k = min(n - done, len(self.stage) - self.fill)
-            self.stage[self.fill:self.fill + k] = src[done:done + k]
+            stage = self.stages[self.cur]
+            k = min(n - done, len(stage) - self.fill)
+            stage[self.fill:self.fill + k] = src[done:done + k]
             self.fill += k
             done += k
-            if self.fill == len(self.stage):
-                self._drain(self.fill)
-                if not self.direct:  # refused at the first write: the rest goes buffered
+            if self.fill == len(stage):
+                self._submit()
+                if not self.direct:  # the filesystem refused O_DIRECT writes: the rest goes buffered
                     return done + self.write(mv[done:]) if done < n else n
         return n
 
-    def _drain(self, nbytes: int) -> None:
-        """Write the stage's first ``nbytes`` (a multiple of ALIGN) at ``pos``, keep the rest at the front."""
+    def _submit(self) -> None:
+        """Write the full current stage in the background; continue in the other one once its write is done."""
+        if self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="direct-write")
+        stage = self.stages[self.cur]
+        fut = self._io.submit(self._pwrite_at, memoryview(stage)[:self.fill], self.pos)
+        self._inflight[self.cur] = (fut, self.pos, self.fill)
+        self.pos += self.fill
+        self.fill = 0
+        self.cur ^= 1
+        self._settle(self.cur)
+
+    def _settle(self, i: int) -> None:
+        job = self._inflight.pop(i, None)
+        if job is None:
+            return
+        fut, pos, n = job
         try:
-            self._pwrite_all(memoryview(self.stage)[:nbytes])
+            fut.result()
         except OSError as exc:
             if exc.errno not in REFUSED:
                 raise
-            self._buffered()  # the filesystem accepted the flag at open but not the write
-            self._pwrite_all(memoryview(self.stage)[:nbytes])
-        rest = self.fill - nbytes
-        if rest:
-            self.stage[:rest] = self.stage[nbytes:self.fill].copy()
-        self.fill = rest
+            self._buffered()  # the filesystem accepted the flag at open but not the write: redo it buffered
+            self._pwrite_at(memoryview(self.stages[i])[:n], pos)
 
-    def _pwrite_all(self, mv: memoryview) -> None:
+    def _settle_all(self) -> None:
+        for i in list(self._inflight):
+            self._settle(i)
+
+    def _pwrite_at(self, mv: memoryview, pos: int) -> None:
         done = 0
         while done < len(mv):
-            done += os.pwrite(self.fd, mv[done:], self.pos + done)
-        self.pos += done
+            done += os.pwrite(self.fd, mv[done:], pos + done)
 
     def _buffered(self) -> None:
         if self.direct:
@@ -90,23 +115,35 @@ class DirectFile:
 
     def flush(self) -> None:
         """Write everything staged: whole blocks directly, the tail through the page cache. Call once, at the end."""
-        if self.stage is None or not self.fill:
+        self._settle_all()
+        if not self.fill:
             return
-        aligned = self.fill // ALIGN * ALIGN
-        if aligned and self.direct:
-            self._drain(aligned)
+        stage = memoryview(self.stages[self.cur])
+        aligned = self.fill // ALIGN * ALIGN if self.direct else 0
+        if aligned:
+            try:
+                self._pwrite_at(stage[:aligned], self.pos)
+            except OSError as exc:
+                if exc.errno not in REFUSED:
+                    raise
+                aligned = 0
         self._buffered()
-        self._pwrite_all(memoryview(self.stage)[:self.fill])
+        self._pwrite_at(stage[aligned:self.fill], self.pos + aligned)
+        self.pos += self.fill
         self.fill = 0
 
     def fileno(self) -> int:
         return self.fd
 
     def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)  # an unfinished write must not outlive the descriptor
+            self._io = None
+        self._inflight.clear()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.stage = None
+        self.stages = []
 
     def __enter__(self) -> "DirectFile":
         return self

@@ -24,6 +24,7 @@ import torch
 OVERLAP_LIMIT = 64 << 20
 AHEAD = 3  # pieces computed ahead of the writer (each one expert slab or one tensor below OVERLAP_LIMIT)
 WORKERS = max(1, min(4, os.cpu_count() or 1))
+CHUNK = 1 << 20  # bytes per write call
 
 Opener = Callable[[Path], object]
 
@@ -54,8 +55,9 @@ def write_shard(path: Path, header: bytes, entries: list, tasks: Callable, opene
             while (item := q.get()) is not None:
                 try:
                     mv = bytes_view(item)
-                    f.write(mv)
-                    state["crc"] = zlib.crc32(mv, state["crc"])
+                    for o in range(0, len(mv), CHUNK):  # the CRC reads what the write just touched, from cache
+                        f.write(mv[o:o + CHUNK])
+                        state["crc"] = zlib.crc32(mv[o:o + CHUNK], state["crc"])
                     state["size"] += len(mv)
                     del mv
                     if pool is not None:
