@@ -27,12 +27,17 @@ def test_suite_under_torchrun(tp, path, tmp_path):
     if "WORLD_SIZE" in os.environ:
         pytest.skip("already running under torchrun")
     env = dict(os.environ, NEURON_CPU_BASETEMP=str(tmp_path), OMP_NUM_THREADS="1")
+    logs = tmp_path / "rank-logs"  # one stdout per rank: interleaved console output cannot be counted reliably
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", f"--master-port={free_port()}",
-           "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "test.neuron_cpu.plugin",
+           f"--log-dir={logs}", "--redirects=3", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "test.neuron_cpu.plugin",
            "--backend", "neuron-cpu", path]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+    rank_out = sorted(logs.glob("**/stdout.log"))
+    text = "\n".join(f.read_text() for f in rank_out)
+    tail = "\n".join((proc.stdout + proc.stderr + text).splitlines()[-40:])
     assert proc.returncode == 0, f"torchrun tp={tp} {path} failed (rc {proc.returncode}):\n{tail}"
     # every rank ran tests (not only skips); failures already show in the exit code
-    passed = re.findall(r"\b(\d+) passed\b", proc.stdout)
-    assert len(passed) >= tp and all(int(n) > 0 for n in passed), f"expected a passing summary per rank:\n{tail}"
+    assert len(rank_out) == tp, f"expected one stdout log per rank, found {len(rank_out)}:\n{tail}"
+    for f in rank_out:
+        passed = re.findall(r"\b(\d+) passed\b", f.read_text())
+        assert passed and int(passed[-1]) > 0, f"rank log {f} has no passing summary:\n{f.read_text()[-2000:]}"
