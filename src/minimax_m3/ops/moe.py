@@ -28,11 +28,15 @@ def combine_matrix(weights: torch.Tensor, experts: torch.Tensor, num_experts: in
 
 
 def expert_ffn(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, alpha: float = 1.702, limit: float = 7.0
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
+    matmul=torch.matmul,
 ) -> torch.Tensor:
-    """One expert on rows ``x [N, H]``; ``gate_up [H, 2I]`` (gate first), ``down [I, H]``."""
-    gate, up = (x @ gate_up).chunk(2, dim=-1)
-    return swiglu_oai(gate, up, alpha, limit) @ down
+    """One expert on rows ``x [N, H]``; ``gate_up [H, 2I]`` (gate first), ``down [I, H]``.
+
+    ``matmul`` lets a caller run the same formula through another product, e.g. a grouped matmul over
+    tokens sorted by expert (then ``gate_up``/``down`` are ``[E, H, 2I]``/``[E, I, H]``)."""
+    gate, up = matmul(x, gate_up).chunk(2, dim=-1)
+    return matmul(swiglu_oai(gate, up, alpha, limit), down)
 
 
 def moe_all_experts(

@@ -72,8 +72,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     xs = x[order // k]
     if strategy == "grouped":
         offs = counts[:n_local].cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(xs, gate_up, offs=offs).chunk(2, dim=-1)
-        ys = torch._grouped_mm(ops.swiglu_oai(gate, up, c.swiglu_alpha, c.swiglu_limit), down, offs=offs)
+        ys = ops.expert_ffn(xs, gate_up, down, c.swiglu_alpha, c.swiglu_limit,
+                            matmul=lambda a, w: torch._grouped_mm(a, w, offs=offs))
     elif strategy == "loop":
         ys = torch.zeros(t * k, x.shape[-1], dtype=x.dtype, device=x.device)
         start = 0
