@@ -2,9 +2,9 @@
 
 A shard's entries become *tasks*: one per tensor, or one per expert for the fused expert tensors (their bytes are
 ``out[k]`` slices in order, so a ``[E, H, 2I]`` result is never held whole). Up to ``AHEAD`` tasks run at once on
-``workers`` threads (file reads, torch kernels, ``zlib.crc32`` and file writes all release the GIL); the main thread
-hands finished pieces, in order, to the writer thread, which writes them, extends the CRC32 and gives their buffers
-back to the pool. A task whose tensor is at least ``OVERLAP_LIMIT`` bytes runs alone and is written before anything
+``workers`` threads (file reads, torch kernels, ``zlib.crc32`` and file writes all release the GIL), each piece's
+CRC32 computed there too; the main thread combines the CRCs and hands the pieces, in order, to the writer thread,
+which writes them and gives their buffers back to the pool. A task whose tensor is at least ``OVERLAP_LIMIT`` bytes runs alone and is written before anything
 else starts, so peak memory stays about one rule's sources and result.
 """
 
@@ -16,6 +16,7 @@ import threading
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +25,6 @@ import torch
 OVERLAP_LIMIT = 64 << 20
 AHEAD = 3  # pieces computed ahead of the writer (each one expert slab or one tensor below OVERLAP_LIMIT)
 WORKERS = max(1, min(4, os.cpu_count() or 1))
-CHUNK = 1 << 20  # bytes per write call
 
 Opener = Callable[[Path], object]
 
@@ -55,9 +55,7 @@ def write_shard(path: Path, header: bytes, entries: list, tasks: Callable, opene
             while (item := q.get()) is not None:
                 try:
                     mv = bytes_view(item)
-                    for o in range(0, len(mv), CHUNK):  # the CRC reads what the write just touched, from cache
-                        f.write(mv[o:o + CHUNK])
-                        state["crc"] = zlib.crc32(mv[o:o + CHUNK], state["crc"])
+                    f.write(mv)
                     state["size"] += len(mv)
                     del mv
                     if pool is not None:
@@ -79,7 +77,7 @@ def write_shard(path: Path, header: bytes, entries: list, tasks: Callable, opene
             th.start()
             ex = ThreadPoolExecutor(max(1, workers), thread_name_prefix="convert")
             try:
-                _run(work, ex, q, err, done)
+                state["crc"] = _run(work, ex, q, err, done, state["crc"])
             finally:
                 ex.shutdown(wait=True, cancel_futures=True)
                 q.put(None)
@@ -94,7 +92,15 @@ def write_shard(path: Path, header: bytes, entries: list, tasks: Callable, opene
     return state["size"], state["crc"]
 
 
-def _run(work: list, ex: ThreadPoolExecutor, q: queue.Queue, err: list, done: Callable) -> None:
+def _piece(fn: Callable) -> tuple[torch.Tensor, int, int]:
+    """Run one task on a worker; its piece's CRC32 and length come with it (CRC work spread over the workers)."""
+    t = fn()
+    mv = bytes_view(t)
+    return t, zlib.crc32(mv), len(mv)
+
+
+def _run(work: list, ex: ThreadPoolExecutor, q: queue.Queue, err: list, done: Callable, crc: int) -> int:
+    """Hand the pieces to the writer in order; returns the CRC32 of ``crc``'s bytes followed by every piece."""
     def alone(i):
         e, _, n = work[i]
         return n == 1 and e.nbytes >= OVERLAP_LIMIT
@@ -103,15 +109,16 @@ def _run(work: list, ex: ThreadPoolExecutor, q: queue.Queue, err: list, done: Ca
     nxt, seen = 0, 0
     while window or nxt < len(work):
         while nxt < len(work) and len(window) < AHEAD and not (window and (alone(nxt) or alone(window[-1][0]))):
-            window.append((nxt, ex.submit(work[nxt][1])))
+            window.append((nxt, ex.submit(_piece, work[nxt][1])))
             nxt += 1
         i, fut = window.popleft()
         e, _, n = work[i]
-        t = fut.result()
+        t, piece_crc, nbytes = fut.result()
         whole = n == 1 and tuple(t.shape) == e.shape
         if t.dtype != e.dtype or not (whole or (e.shape and n == e.shape[0] and tuple(t.shape) == e.shape[1:])):
             raise ShapeError(f"{e.name}: produced {t.dtype}{list(t.shape)} (piece of {n}) but the plan says "
                              f"{e.dtype}{list(e.shape)} (a rule's transform is not shape-stable)")
+        crc = crc32_combine(crc, piece_crc, nbytes)
         q.put(t)
         del t, fut
         seen += 1
@@ -121,4 +128,43 @@ def _run(work: list, ex: ThreadPoolExecutor, q: queue.Queue, err: list, done: Ca
         if alone(i):  # a large piece is not held while the next one is produced
             q.join()
         if err:
-            return
+            break
+    return crc
+
+
+# ---- CRC-32 of a concatenation from the parts' CRCs (zlib's crc32_combine, which Python does not expose) ----------
+_POLY = 0xEDB88320  # reflected CRC-32 polynomial
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a·b modulo the CRC polynomial (reflected bit order, x^0 in bit 31)."""
+    m, p = 1 << 31, 0
+    while a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+_X2N = [1 << 30]  # x^(2^k): x^1, x^2, x^4, ...
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+@lru_cache(maxsize=256)
+def _x8nmodp(n: int) -> int:
+    """x^(8n) modulo the polynomial: appending n zero bytes."""
+    p, k = 1 << 31, 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
+    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
