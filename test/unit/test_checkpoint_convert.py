@@ -270,16 +270,21 @@ def test_buffer_pool_recycles_its_own_buffers_only():
     assert pool._idle == 2 << 20 and [k for k, v in pool._free.items() if v] == [2 << 20]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
-def test_streamed_expert_slabs_equal_the_rule_transforms(synth, tmp_path, fmt):
-    """convert writes fused experts slab by slab; the bytes equal apply_rule's whole-tensor transforms."""
-    out = tmp_path / "nx"
-    convert(synth[fmt], out, to="neuron", tp=2, progress=False)
-    sd = _load_dir(out)
-    streamed = dict(stream_state_dict(synth[fmt], "neuron", tp=2))
-    fused = [k for k in sd if k.endswith(("gate_up_proj.weight", "down_proj.weight")) and ".expert_mlps." in k]
-    assert fused and streamed.keys() == sd.keys()
-    assert all(sd[k].dtype == streamed[k].dtype and torch.equal(sd[k], streamed[k]) for k in sd)
+@pytest.mark.parametrize("slice_bytes", [16 << 20, 1000])  # 1000: every copy / concatenation in row blocks
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "nvfp4"])
+def test_streamed_pieces_equal_the_rule_transforms(synth, tmp_path, fmt, slice_bytes, monkeypatch):
+    """convert writes fused experts slab by slab and large copies / dim-0 concatenations in row blocks (rows read and
+    dequantized alone); the bytes equal apply_rule's whole-tensor transforms, for both targets."""
+    import minimax_m3.checkpoint.convert as conv
+
+    monkeypatch.setattr(conv, "SLICE", slice_bytes)
+    for to in ("neuron", "bf16"):
+        out = tmp_path / f"{to}-{slice_bytes}"
+        convert(synth[fmt], out, to=to, tp=2, progress=False)
+        sd = _load_dir(out)
+        streamed = dict(stream_state_dict(synth[fmt], to, tp=2))
+        assert streamed.keys() == sd.keys()
+        assert all(sd[k].dtype == streamed[k].dtype and torch.equal(sd[k], streamed[k]) for k in sd)
 
 
 @pytest.mark.parametrize("refuse", [None, "open", "write"])

@@ -131,6 +131,7 @@ def _header(entries: list[Planned]) -> bytes:
 # the pipeline's threads (workers computing pieces, a writer) already use the cores; torch's intra-op threads on top
 # of them only contend (measured slower for the chunked dequantization and the transposes)
 TORCH_THREADS = int(os.environ.get("MINIMAX_M3_CONVERT_THREADS", "1"))
+SLICE = 16 << 20  # bytes per piece when a large copy or concatenation is streamed in row blocks
 
 
 def _slab_tasks(source: Source, rule, unit: int, c: M3Config, dtype: torch.dtype, pool: BufferPool) -> list:
@@ -151,9 +152,28 @@ def _slab_tasks(source: Source, rule, unit: int, c: M3Config, dtype: torch.dtype
         out = pool.take(n).view(dtype).view(cols, sum(rows))
         out.copy_(stacked.t())  # contiguous destination: torch's blocked transpose
         pool.give(stacked)
-        return out
+        return out.unsqueeze(0)
 
     return [partial(slab, x) for x in range(len(keys[0]))]
+
+
+def _row_tasks(source: Source, rule, unit, c: M3Config, dtype: torch.dtype, pool: BufferPool) -> list | None:
+    """Row blocks (~SLICE bytes) of each source in order, for a ``concat_rows`` rule (``cat(sources, 0)``)."""
+    keys = [_sources(t, unit, c) for t in rule.sources]
+    if not keys or any(isinstance(k, list) for k in keys):
+        return None
+    out = []
+    for k in keys:
+        shape = source.logical[k].shape
+        if not shape:
+            return None
+        row = dtype.itemsize
+        for d in shape[1:]:
+            row *= d
+        step = max(1, SLICE // max(1, row))
+        out += [partial(source.get, k, dtype, None, pool, (r, min(r + step, shape[0])))
+                for r in range(0, shape[0], step)]
+    return out
 
 
 def file_crc(path: Path, chunk: int = 1 << 24) -> int:
@@ -224,8 +244,12 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
 
             def tasks(e: Planned) -> list:
                 r = e.rule
-                if getattr(r.transform, "expert_slabs", False) and dtype and not (r.keep_fp32 or r.fp32_math):
+                narrow = dtype and not (r.keep_fp32 or r.fp32_math)
+                if narrow and getattr(r.transform, "expert_slabs", False):
                     return _slab_tasks(source, r, e.unit, c, dtype, pool)
+                if narrow and getattr(r.transform, "concat_rows", False) and e.nbytes > SLICE:
+                    return _row_tasks(source, r, e.unit, c, dtype, pool) or [
+                        partial(apply_rule, r, e.unit, c, full_get, dtype, cast_get)]
                 return [partial(apply_rule, r, e.unit, c, full_get, dtype, cast_get)]
 
             tmp = path.with_name(path.name + ".tmp")

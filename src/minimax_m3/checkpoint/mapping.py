@@ -62,6 +62,9 @@ def _experts_down(ts: Sequence) -> torch.Tensor:
 # (``convert._expert_slabs``) instead of building the whole [E, ...] result; the result is the same bytes.
 _experts_gate_up.expert_slabs = True
 _experts_down.expert_slabs = True
+# out = cat(sources, dim 0): convert streams these in row blocks of each source, in order (the same bytes)
+_ident.concat_rows = True
+_cat0.concat_rows = True
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Writing one output shard: pieces computed ahead by worker threads, written and checksummed by a writer thread.
 
-A shard's entries become *tasks*: one per tensor, or one per expert for the fused expert tensors (their bytes are
-``out[k]`` slices in order, so a ``[E, H, 2I]`` result is never held whole). Up to ``AHEAD`` tasks run at once on
+A shard's entries become *tasks*: one per tensor, or one per row block — per expert for the fused expert tensors
+(their bytes are the ``out[k]`` in order, so a ``[E, H, 2I]`` result is never held whole), per ~16 MiB of rows for
+copies and dim-0 concatenations. Up to ``AHEAD`` tasks run at once on
 ``workers`` threads (file reads, torch kernels, ``zlib.crc32`` and file writes all release the GIL), each piece's
 CRC32 computed there too; the main thread combines the CRCs and hands the pieces, in order, to the writer thread,
 which writes them and gives their buffers back to the pool. A task whose tensor is at least ``OVERLAP_LIMIT`` bytes runs alone and is written before anything
@@ -43,8 +44,7 @@ def bytes_view(t: torch.Tensor) -> memoryview:
 def write_shard(path: Path, header: bytes, entries: list, tasks: Callable, opener: Opener, pool=None,
                 workers: int = WORKERS, done: Callable = lambda e: None) -> tuple[int, int]:
     """Write ``header`` then, for each entry (``.name``, ``.shape``, ``.dtype``, ``.nbytes``), the pieces made by
-    the callables ``tasks(entry)`` returns: one making the whole tensor, or ``shape[0]`` making its slices along
-    dim 0. ``done(entry)`` is called once an entry is handed to the writer. Returns (size, crc32); removes the file
+    the callables ``tasks(entry)`` returns: the whole tensor, or consecutive row blocks of it (dim 0). ``done(entry)`` is called once an entry is handed to the writer. Returns (size, crc32); removes the file
     on any failure."""
     q: queue.Queue = queue.Queue(maxsize=AHEAD)
     err: list[BaseException] = []
@@ -103,10 +103,10 @@ def _run(work: list, ex: ThreadPoolExecutor, q: queue.Queue, err: list, done: Ca
     """Hand the pieces to the writer in order; returns the CRC32 of ``crc``'s bytes followed by every piece."""
     def alone(i):
         e, _, n = work[i]
-        return n == 1 and e.nbytes >= OVERLAP_LIMIT
+        return e.nbytes // n >= OVERLAP_LIMIT
 
     window: deque = deque()
-    nxt, seen = 0, 0
+    nxt, rows, seen = 0, 0, 0
     while window or nxt < len(work):
         while nxt < len(work) and len(window) < AHEAD and not (window and (alone(nxt) or alone(window[-1][0]))):
             window.append((nxt, ex.submit(_piece, work[nxt][1])))
@@ -114,17 +114,21 @@ def _run(work: list, ex: ThreadPoolExecutor, q: queue.Queue, err: list, done: Ca
         i, fut = window.popleft()
         e, _, n = work[i]
         t, piece_crc, nbytes = fut.result()
-        whole = n == 1 and tuple(t.shape) == e.shape
-        if t.dtype != e.dtype or not (whole or (e.shape and n == e.shape[0] and tuple(t.shape) == e.shape[1:])):
-            raise ShapeError(f"{e.name}: produced {t.dtype}{list(t.shape)} (piece of {n}) but the plan says "
-                             f"{e.dtype}{list(e.shape)} (a rule's transform is not shape-stable)")
+        ok = t.dtype == e.dtype and (tuple(t.shape) == e.shape == () or (
+            t.dim() == len(e.shape) > 0 and tuple(t.shape[1:]) == e.shape[1:] and rows + t.shape[0] <= e.shape[0]))
+        if not ok:
+            raise ShapeError(f"{e.name}: produced {t.dtype}{list(t.shape)} (piece {seen + 1} of {n}) but the plan "
+                             f"says {e.dtype}{list(e.shape)} (a rule's transform is not shape-stable)")
+        rows += t.shape[0] if t.dim() else 0
+        seen += 1
+        if seen == n and rows != (e.shape[0] if e.shape else 0):
+            raise ShapeError(f"{e.name}: produced {rows} of {e.shape[0]} rows")
         crc = crc32_combine(crc, piece_crc, nbytes)
         q.put(t)
         del t, fut
-        seen += 1
         if seen == n:
             done(e)
-            seen = 0
+            rows = seen = 0
         if alone(i):  # a large piece is not held while the next one is produced
             q.join()
         if err:

@@ -216,10 +216,18 @@ class CheckpointReader:
     def shape(self, key: str) -> list[int]:
         return list(self.info(key).shape)
 
-    def get(self, key: str, out: torch.Tensor | None = None, pool: "BufferPool | None" = None) -> torch.Tensor:
-        """Tensor ``key`` read from disk. ``out`` (contiguous, ``key``'s byte size, any dtype) receives the bytes and
-        is returned viewed as ``key``; else the memory comes from ``pool`` (recycled pages) or is freshly mapped."""
+    def get(self, key: str, out: torch.Tensor | None = None, pool: "BufferPool | None" = None,
+            rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``key`` (only its rows ``[r0, r1)`` along dim 0 if ``rows``) read from disk. ``out`` (contiguous,
+        the bytes' size, any dtype) receives the bytes and is returned viewed as ``key``; else the memory comes from
+        ``pool`` (recycled pages) or is freshly mapped."""
         info = self.info(key)
+        if rows is not None:
+            r0, r1 = rows
+            if not info.shape or not 0 <= r0 <= r1 <= info.shape[0]:
+                raise ValueError(f"{key}: rows {rows} outside {list(info.shape)}")
+            row = info.nbytes // info.shape[0] if info.shape[0] else 0
+            info = TensorInfo(info.shard, info.dtype, (r1 - r0, *info.shape[1:]), info.start + r0 * row, (r1 - r0) * row)
         f = self._files.get(info.shard)
         if f is None:
             with self._open_lock:  # readers on several threads (preadv itself takes explicit offsets)

@@ -205,35 +205,37 @@ class Source:
         return torch.float32 if lg.encoding != "plain" else lg.stored_dtype
 
     def get(self, key: str, dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-            pool: BufferPool | None = None) -> torch.Tensor:
+            pool: BufferPool | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The release tensor ``key``: dequantized (float32 unless ``dtype``) or as stored (cast to ``dtype``).
 
-        ``out`` (contiguous, ``dtype``, ``key``'s size) receives the result; ``pool`` supplies recycled memory for
-        the result and for stored bytes that are only an intermediate (they are given back to it)."""
+        ``rows=(r0, r1)`` gives only those rows (dim 0). ``out`` (contiguous, ``dtype``, the result's size) receives
+        the result; ``pool`` supplies recycled memory for the result and for stored bytes that are only an
+        intermediate (they are given back to it)."""
         if key not in self.logical:
             raise KeyError(f"tensor {key!r} is not in the checkpoint at {self.reader.root}")
         lg = self.logical[key]
         r = self.reader
         want = dtype or self.out_dtype(key)
+        shape = lg.shape if rows is None else (rows[1] - rows[0], *lg.shape[1:])
         if out is None and pool is not None:
             n = 1
-            for d in lg.shape:
+            for d in shape:
                 n *= d
             if n * want.itemsize >= (1 << 20):
-                out = pool.take(n * want.itemsize).view(want).view(lg.shape)
+                out = pool.take(n * want.itemsize).view(want).view(shape)
         if lg.encoding == "mxfp8":
-            q = r.get(lg.files[0], pool=pool)
-            t = F.mxfp8_dequantize(q, r.get(lg.files[1]), want, key, out)
+            q = r.get(lg.files[0], pool=pool, rows=rows)
+            t = F.mxfp8_dequantize(q, r.get(lg.files[1], rows=rows), want, key, out)
             if pool is not None:
                 pool.give(q)
             return t
         if lg.encoding == "nvfp4":
-            t = F.nvfp4_dequantize(r.get(lg.files[0]), r.get(lg.files[1]), r.get(lg.files[2]).reshape(()),
-                                   lg.shape[1], want, key)
+            t = F.nvfp4_dequantize(r.get(lg.files[0], rows=rows), r.get(lg.files[1], rows=rows),
+                                   r.get(lg.files[2]).reshape(()), lg.shape[1], want, key)
             return t if out is None else out.copy_(t.view(out.shape))
         if out is not None and want == lg.stored_dtype:
-            return r.get(key, out=out)
-        t = r.get(key, pool=pool)
+            return r.get(key, out=out, rows=rows)
+        t = r.get(key, pool=pool, rows=rows)
         if out is not None:
             out.copy_(t.view(out.shape))
             if pool is not None:
