@@ -20,7 +20,8 @@ def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, 
     """
     b, g, tq, _ = iq.shape
     sk = ik.shape[1]
-    scores = torch.matmul(iq.float(), ik.float().unsqueeze(1).transpose(-1, -2))  # [B, G, Tq, Sk]
+    # the G index heads stacked as rows of one product: the shared index keys are read once, never copied
+    scores = torch.matmul(iq.float().reshape(b, g * tq, -1), ik.float().transpose(-1, -2)).view(b, g, tq, sk)
     k_pos = torch.arange(sk, device=iq.device)
     future = k_pos.view(1, 1, 1, sk) > q_pos.view(b, 1, tq, 1)
     scores = scores.masked_fill(future, float("-inf"))
