@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minimax_m3.checkpoint import open_source
-from minimax_m3.checkpoint.nxdi_rules import audit, convert_unit_nxdi, fp32_targets
+from minimax_m3.checkpoint import CheckpointError, open_source
+from minimax_m3.checkpoint.audit import coverage
+from minimax_m3.checkpoint.convert import stream_state_dict, target_table
+from minimax_m3.checkpoint.nxdi_rules import fp32_targets
 from minimax_m3.config import M3Config
 
 LM = "language_model.model"
@@ -16,9 +18,7 @@ LM = "language_model.model"
 def tiny(tiny_ckpt):
     c = M3Config.from_pretrained(tiny_ckpt)
     src = open_source(tiny_ckpt, c)
-    sd = {}
-    for unit in [None, *range(c.num_layers)]:
-        sd.update(convert_unit_nxdi(src.get, c, unit, tp_degree=4, dtype=torch.bfloat16))
+    sd = dict(stream_state_dict(tiny_ckpt, to="neuron", dtype=torch.bfloat16, tp=4, config=c))
     return c, src, sd
 
 
@@ -31,20 +31,37 @@ def create_local_weight(rank, world, full, dim, per_partition, stride):
 
 def test_every_release_key_is_consumed_or_skipped(tiny_ckpt, tiny):
     c, src, _ = tiny
-    rep = audit(src.keys(), c, tp_degree=4)
-    assert rep["unknown"] == [] and rep["missing"] == []
-    assert any(k.startswith("vision_tower.") for k in rep["skipped"])
-    assert not any(k.startswith("vision_tower.") for k in rep["consumed"])
+    used, skipped, unaccounted = coverage(src, c, target_table("neuron", c, tp=4))
+    assert unaccounted == []
+    assert any(k.startswith("vision_tower.") for k in skipped)
+    assert not any(k.startswith("vision_tower.") for k in used)
     # the text backbone is fully consumed
-    assert all(k in rep["consumed"] for k in src.keys() if k.startswith("language_model."))
+    assert all(k in used for k in src.keys() if k.startswith("language_model."))
 
 
-def test_audit_reports_an_unknown_key(tiny):
-    c, src, _ = tiny
-    rep = audit([*src.keys(), f"{LM}.layers.0.self_attn.new_thing.weight"], c)
-    assert rep["unknown"] == [f"{LM}.layers.0.self_attn.new_thing.weight"]
-    rep = audit([k for k in src.keys() if "index_k_norm" not in k], c)
-    assert len(rep["missing"]) == sum(c.sparse_layers)
+def test_unknown_or_missing_keys_stop_the_load(tiny_ckpt, tmp_path):
+    """The port's loader validates first: an unknown key or a missing tensor is one clear error."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt, bad)
+    shard = sorted(bad.glob("model-*.safetensors"))[0]
+    tensors = load_file(shard)
+    tensors[f"{LM}.layers.0.self_attn.new_thing.weight"] = torch.zeros(2)
+    tensors.pop(next(k for k in tensors if k.endswith("index_k_norm.weight")))
+    save_file(tensors, shard)
+    index = (bad / "model.safetensors.index.json")
+    import json
+
+    idx = json.loads(index.read_text())
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if k in tensors or v != shard.name}
+    idx["weight_map"][f"{LM}.layers.0.self_attn.new_thing.weight"] = shard.name
+    index.write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError) as err:
+        dict(stream_state_dict(bad, to="neuron", tp=4))
+    assert "new_thing" in str(err.value) and "index_k_norm" in str(err.value)
 
 
 def test_norms_are_folded_in_fp32(tiny):
@@ -136,7 +153,7 @@ def test_attention_and_rank_keys(tiny):
 
 def test_fused_qkv(tiny_ckpt, tiny):
     c, src, _ = tiny
-    out = dict(convert_unit_nxdi(src.get, c, 1, tp_degree=2, fused_qkv=True))
+    out = dict(stream_state_dict(tiny_ckpt, to="neuron", tp=2, config=c, fused_qkv=True))
     a = f"{LM}.layers.1.self_attn"
     w = torch.cat([src.get(f"{a}.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")])
     assert torch.equal(out["layers.1.self_attn.qkv_proj.Wqkv.weight"], w)

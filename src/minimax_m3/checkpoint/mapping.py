@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -224,17 +224,6 @@ def apply_rule(rule: Rule, unit: int | None, c: M3Config, get: Callable[..., tor
         elif dtype is not None:
             t = t.to(dtype)
     return t.contiguous()
-
-
-def convert_unit(get: Callable[[str], torch.Tensor], c: M3Config, unit: int | None,
-                 dtype: torch.dtype | None = None, table: RuleTable = REFERENCE,
-                 keys: Sequence[str] | None = None, keep_fp32: Callable[[str], bool] | None = None,
-                 cast_get: Callable[[str, torch.dtype], torch.Tensor] | None = None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Apply the rules of one unit lazily, one rule at a time; ``get(key)`` reads a release tensor (already
-    dequantized)."""
-    for rule in unit_rules(c, unit, table, keys, keep_fp32):
-        yield target_name(rule, unit), apply_rule(rule, unit, c, get, dtype, cast_get)
 
 
 def release_shapes(c: M3Config) -> dict[str, tuple[tuple[int, ...], str]]:

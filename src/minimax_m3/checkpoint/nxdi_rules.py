@@ -20,13 +20,12 @@ their sources, NxDI 0.9 / NxD 0.18):
 
 from __future__ import annotations
 
-import re
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Sequence
 
 import torch
 
 from ..config import M3Config
-from .mapping import ATT, LM, MOE, Rule, _applies, _cat0, _experts_down, _experts_gate_up, _ident, _sources
+from .mapping import ATT, LM, MOE, Rule, _applies, _cat0, _experts_down, _experts_gate_up, _ident
 
 FP32 = True
 
@@ -92,48 +91,9 @@ def nxdi_rules(c: M3Config, tp_degree: int, fused_qkv: bool = False) -> tuple[tu
     return glob, layer
 
 
-# Release keys that are not part of the text backbone, each with the reason it is not converted.
-SKIPPED = (
-    (re.compile(r"^vision_tower\."), "vision tower: the NxDI port serves the text backbone only"),
-    (re.compile(r"^(multi_modal_projector|patch_merge_mlp)\."), "vision projector: text backbone only"),
-    (re.compile(r"(^|\.)mtp\."), "MTP module: speculative decoding head, not served by this port"),
-    (re.compile(r"\.weight_scale(_inv)?$"), "MXFP8 scale: consumed by dequantisation in checkpoint.open_source"),
-)
-
-
 def _unit_rules(c: M3Config, unit: int | None, tp_degree: int, fused_qkv: bool) -> list[Rule]:
     glob, layer = nxdi_rules(c, tp_degree, fused_qkv)
     return list(glob) if unit is None else [r for r in layer if _applies(r, c, unit)]
-
-
-def nxdi_source_keys(c: M3Config, unit: int | None, tp_degree: int = 1, fused_qkv: bool = False) -> list[str]:
-    keys: list[str] = []
-    for rule in _unit_rules(c, unit, tp_degree, fused_qkv):
-        for tmpl in rule.sources:
-            s = _sources(tmpl, unit, c)
-            keys.extend(s if isinstance(s, list) else [s])
-    return keys
-
-
-def convert_unit_nxdi(get: Callable[[str], torch.Tensor], c: M3Config, unit: int | None, tp_degree: int,
-                      dtype: torch.dtype | None = None, fused_qkv: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Apply the NxDI rules of one unit (``None`` = global tensors, else a layer index).
-
-    ``get(key)`` returns a full-precision release tensor. Floating outputs are cast to ``dtype`` except the
-    ``keep_fp32`` ones (folded norms, router weight, routing bias); int tensors are left alone."""
-    for rule in _unit_rules(c, unit, tp_degree, fused_qkv):
-        srcs = []
-        for tmpl in rule.sources:
-            s = _sources(tmpl, unit, c)
-            srcs.append([get(k) for k in s] if isinstance(s, list) else get(s))
-        t = rule.transform(srcs)
-        if t.is_floating_point():
-            if rule.keep_fp32:
-                t = t.float()
-            elif dtype is not None:
-                t = t.to(dtype)
-        name = rule.target if unit is None else rule.target.replace("{L}", str(unit))
-        yield name, t.contiguous()
 
 
 def fp32_targets(c: M3Config, tp_degree: int = 1) -> set[str]:
@@ -146,24 +106,4 @@ def fp32_targets(c: M3Config, tp_degree: int = 1) -> set[str]:
     return out
 
 
-def audit(release_keys: Iterable[str], c: M3Config, tp_degree: int = 1, fused_qkv: bool = False) -> dict:
-    """Account for every release key: ``{"consumed": [...], "skipped": {key: reason}, "unknown": [...],
-    "missing": [...]}``. ``unknown`` (in the checkpoint, no rule) and ``missing`` (a rule's source absent)
-    must both be empty for a conversion to be trusted."""
-    release = set(release_keys)
-    needed: set[str] = set()
-    for unit in [None, *range(c.num_layers)]:
-        needed.update(nxdi_source_keys(c, unit, tp_degree, fused_qkv))
-    skipped: dict[str, str] = {}
-    unknown = []
-    for k in sorted(release - needed):
-        reason = next((why for pat, why in SKIPPED if pat.search(k)), None)
-        if reason is None:
-            unknown.append(k)
-        else:
-            skipped[k] = reason
-    return {"consumed": sorted(release & needed), "skipped": skipped, "unknown": unknown,
-            "missing": sorted(needed - release)}
-
-
-__all__ = ["SKIPPED", "audit", "convert_unit_nxdi", "fp32_targets", "nxdi_rules", "nxdi_source_keys", "_ident"]
+__all__ = ["fp32_targets", "nxdi_rules", "_ident"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import torch
@@ -11,8 +10,8 @@ from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalL
 from neuronx_distributed_inference.modules.generation.sampling import create_sampler
 from torch import nn
 
-from ..checkpoint import open_source
-from ..checkpoint.nxdi_rules import audit, convert_unit_nxdi, fp32_targets
+from ..checkpoint import convert
+from ..checkpoint.nxdi_rules import fp32_targets
 from .attention import NeuronMiniMaxM3Attention
 from .config import MiniMaxM3InferenceConfig
 from .kv_cache import M3KVCacheManager
@@ -86,21 +85,13 @@ class NeuronMiniMaxM3Model(NeuronBaseModel):
 
 
 def stream_state_dict(path, config: MiniMaxM3InferenceConfig) -> dict:
-    """Convert the release checkpoint at ``path`` to the NxDI state dict, one layer at a time (only the current
-    layer's release tensors are materialised besides the output), in the model dtype except the fp32 keys."""
-    c = config.m3_config()
+    """The NxDI state dict of the checkpoint at ``path`` (any published format), through the checkpoint
+    package's one rule engine: validated first (every problem in one error), converted one rule at a time (only
+    the current rule's release tensors are materialised besides the output), in the model dtype except the fp32
+    keys (folded norms, router weight and bias)."""
     nc = config.neuron_config
-    src = open_source(path, c)
-    report = audit(src.keys(), c, nc.tp_degree, nc.fused_qkv)
-    if report["unknown"] or report["missing"]:
-        raise ValueError(f"checkpoint at {path}: unknown keys {report['unknown'][:5]}, "
-                         f"missing keys {report['missing'][:5]}")
-    sd: dict[str, torch.Tensor] = {}
-    for unit in [None, *range(c.num_layers)]:
-        for name, t in convert_unit_nxdi(src.get, c, unit, nc.tp_degree, nc.torch_dtype, nc.fused_qkv):
-            sd[name] = t
-        gc.collect()
-    return sd
+    return dict(convert.stream_state_dict(path, to="neuron", dtype=nc.torch_dtype, tp=nc.tp_degree,
+                                          config=config.m3_config(), fused_qkv=nc.fused_qkv))
 
 
 class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
