@@ -87,7 +87,7 @@ class ReferenceEngine:
 
     def _batches(self, prompts: list[list[int]]):
         for s in range(0, len(prompts), self.max_batch_size):
-            yield s, prompts[s:s + self.max_batch_size]
+            yield prompts[s:s + self.max_batch_size]
 
     def _prefill(self, prompts: list[list[int]], cache_len: int, all_logits: bool):
         """Prefill a batch aligned at position 0 (right-padded internally)."""
@@ -106,7 +106,7 @@ class ReferenceEngine:
     def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         prompts = self._check(prompts, 0)
         out: list[torch.Tensor] = []
-        for _, batch in self._batches(prompts):
+        for batch in self._batches(prompts):
             logits, _ = self._prefill(batch, max(len(p) for p in batch), all_logits=True)
             out.extend(logits[i, :len(p)].cpu() for i, p in enumerate(batch))
         return out
@@ -114,7 +114,7 @@ class ReferenceEngine:
     def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig) -> list[GenerationResult]:
         prompts = self._check(prompts, gen.max_new_tokens)
         results: list[GenerationResult] = []
-        for _, batch in self._batches(prompts):
+        for batch in self._batches(prompts):
             results.extend(self._generate_batch(batch, gen))
         return results
 
