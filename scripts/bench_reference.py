@@ -66,7 +66,7 @@ def _measure(impl, ckpt, device, dtype, n, steps, reps):
     vocab = M3Config.from_pretrained(ckpt).vocab_size
     ids = torch.randint(3, vocab, (1, n + steps), generator=g).to(device)
     prompt, forced = ids[:, :n], ids[:, n:]
-    with torch.no_grad():
+    with torch.inference_mode():  # both implementations, so neither pays autograd bookkeeping
         if impl == "transformers":
             from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
 

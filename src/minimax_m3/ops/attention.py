@@ -71,12 +71,10 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
     ``-1`` slots read block 0 (their keys are masked by the caller).
     """
     b, g, s, d = cache.shape
-    k = blocks.shape[-1]
     nblk = s // block_size
-    paged = cache.reshape(b * g * nblk, block_size, d)
     base = torch.arange(b * g, device=cache.device).view(b, g, 1) * nblk
     rows = (base + blocks.clamp(min=0)).reshape(-1)  # one index per selected block, not per element
-    return paged.index_select(0, rows).view(b, g, k * block_size, d)
+    return cache.reshape(b * g * nblk, block_size, d).index_select(0, rows).view(b, g, -1, d)
 
 
 def decode_attention_sparse(
@@ -88,8 +86,7 @@ def decode_attention_sparse(
     kg = gather_blocks(k_cache, blocks, block_size)
     vg = gather_blocks(v_cache, blocks, block_size)
     b, g, kk = blocks.shape
-    offs = torch.arange(block_size, device=q.device)
-    key_pos = (blocks.clamp(min=0).unsqueeze(-1) * block_size + offs).reshape(b, g, kk * block_size)
-    valid = (blocks >= 0).unsqueeze(-1).expand(b, g, kk, block_size).reshape(b, g, kk * block_size)
-    keep = (valid & (key_pos <= q_pos.view(b, 1, 1))).unsqueeze(2)  # [B, G, 1, K*bs]
-    return masked_attention(q, kg, vg, keep, scale)
+    # each gathered key's position; an empty (-1) slot starts past the query, so the causal rule drops it
+    first = torch.where(blocks >= 0, blocks * block_size, q_pos.view(b, 1, 1) + 1)
+    key_pos = (first.unsqueeze(-1) + torch.arange(block_size, device=q.device)).view(b, g, 1, kk * block_size)
+    return masked_attention(q, kg, vg, key_pos <= q_pos.view(b, 1, 1, 1), scale)
