@@ -2,11 +2,14 @@
 """Reference backend vs transformers 5.23 (``MiniMaxM3SparseForConditionalGeneration``, eager): prefill tokens/s,
 decode ms/token and peak memory at several contexts, on the same device, weights and inputs, in one run.
 
-Every (implementation, context) runs in its own child process, so peak memory is that run's alone (CPU: peak RSS of
-the child, weights and runtime included; CUDA: ``max_memory_allocated``). Before any time is quoted the logits are
-checked equal: the prefill's last-position logits and every decode step's logits (decode is teacher-forced with the
-same token ids for both implementations). A run whose estimated memory would not fit is skipped with the estimate,
-so the machine is never pushed into the OOM killer.
+Every implementation runs in its own process, so peak memory is its own (CPU: peak RSS of the process, weights and
+runtime included; CUDA: ``max_memory_allocated``). The processes are loaded and warmed up one after the other, then
+driven **interleaved**: prefill repetitions alternate between the implementations, and decode runs in rounds that
+alternate too, so every comparison is made under the same load (on a shared machine the load can double a run's
+time within minutes). Before any time is quoted the logits are checked equal: the prefill's last-position logits
+and every decode step's logits (decode is teacher-forced with the same token ids for both implementations). A
+context whose estimated memory would not fit is skipped for that implementation with the estimate, so the machine
+is never pushed into the OOM killer.
 
     python scripts/bench_reference.py --preset small --contexts 2048 8192 32768          # CPU targets
     python scripts/bench_reference.py --preset m3-slice --layers 2 --dtype bfloat16      # H200: full-width slice
@@ -50,23 +53,18 @@ def _peak_bytes(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _child(impl: str, ckpt: str, device: str, dtype: str, n: int, steps: int, reps: int, threads: int, q) -> None:
-    try:
-        torch.set_num_threads(threads)
-        q.put(_measure(impl, ckpt, device, dtype, n, steps, reps))
-    except BaseException as exc:  # report, never hang the parent
-        q.put({"error": f"{type(exc).__name__}: {exc}"})
+class _Runner:
+    """One implementation, loaded and warmed up: ``prefill()`` (resets the decode state) and ``decode(i, j)``
+    (teacher-forced steps ``i .. j-1``), each timed in wall and CPU time."""
 
+    def __init__(self, impl, ckpt, device, dtype, n, steps):
+        dt = getattr(torch, dtype)
+        g = torch.Generator().manual_seed(0)
+        from minimax_m3.config import M3Config
 
-def _measure(impl, ckpt, device, dtype, n, steps, reps):
-    dt = getattr(torch, dtype)
-    g = torch.Generator().manual_seed(0)
-    from minimax_m3.config import M3Config
-
-    vocab = M3Config.from_pretrained(ckpt).vocab_size
-    ids = torch.randint(3, vocab, (1, n + steps), generator=g).to(device)
-    prompt, forced = ids[:, :n], ids[:, n:]
-    with torch.inference_mode():  # both implementations, so neither pays autograd bookkeeping
+        vocab = M3Config.from_pretrained(ckpt).vocab_size
+        ids = torch.randint(3, vocab, (1, n + steps), generator=g).to(device)
+        self.prompt, self.forced, self.n, self.device, self.state = ids[:, :n], ids[:, n:], n, device, None
         if impl == "transformers":
             from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
 
@@ -96,38 +94,114 @@ def _measure(impl, ckpt, device, dtype, n, steps, reps):
             def step(cache, tok, pos):
                 p = torch.tensor([[pos]], device=device)
                 return model(tok, p, cache, pos + 1, decode=True)[:, 0], cache
-
-        prefill(prompt[:, :min(n, 256)])  # warm-up (allocator, lazy init, kernel compilation at that shape)
+        self._prefill, self._step = prefill, step
+        prefill(self.prompt[:, :min(n, 256)])  # warm-up (allocator, lazy init, kernel compilation at that shape)
         if impl == "reference-flex":
-            prefill(prompt)  # compile at this context's shape before timing
+            prefill(self.prompt)  # compile at this context's shape before timing
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        times, cpu = [], []
-        while len(times) < reps and sum(times) < 60:  # best of up to ``reps`` (a shared machine is noisy)
-            state = None
-            _sync(device)
+
+    def prefill(self) -> dict:
+        self.state = None  # free the previous repetition's cache first
+        _sync(self.device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        logits, self.state = self._prefill(self.prompt)
+        _sync(self.device)
+        return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "logits": logits.cpu().numpy()}
+
+    def decode(self, i: int, j: int) -> dict:
+        wall, cpu, logits = [], [], []
+        for k in range(i, j):
             t0, c0 = time.perf_counter(), time.process_time()
-            logits, state = prefill(prompt)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-        dec_logits, step_ms, step_cpu = [], [], []
-        for i in range(steps):
-            t0, c0 = time.perf_counter(), time.process_time()
-            lg, state = step(state, forced[:, i:i + 1], n + i)
-            _sync(device)
-            step_ms.append(1000 * (time.perf_counter() - t0))
-            step_cpu.append(1000 * (time.process_time() - c0))
-            dec_logits.append(lg.float().cpu())
-    # on CPU the speed is quoted in CPU time of this process (all its threads): on a shared machine wall time
-    # measures the neighbours; on CUDA wall time (synchronised) is the measure
-    on_cpu = device == "cpu"
-    prefill_s = min(cpu) if on_cpu else min(times)
-    decode_ms = statistics.median(step_cpu if on_cpu else step_ms)
-    return {"prefill_s": prefill_s, "prefill_tok_s": n / prefill_s, "decode_ms": decode_ms,
-            "wall_prefill_s": min(times), "wall_decode_ms": statistics.median(step_ms),
-            "peak_gb": _peak_bytes(device) / 2**30,
-            "logits": [x.numpy() for x in [logits.cpu()] + dec_logits]}  # by value: the child exits first
+            lg, self.state = self._step(self.state, self.forced[:, k:k + 1], self.n + k)
+            _sync(self.device)
+            wall.append(1000 * (time.perf_counter() - t0))
+            cpu.append(1000 * (time.process_time() - c0))
+            logits.append(lg.float().cpu().numpy())
+        return {"wall": wall, "cpu": cpu, "logits": logits}
+
+
+def _server(impl: str, ckpt: str, device: str, dtype: str, n: int, steps: int, threads: int, conn) -> None:
+    """Child process: build a :class:`_Runner`, then answer the parent's commands until ``exit``."""
+    try:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():  # both implementations, so neither pays autograd bookkeeping
+            run = _Runner(impl, ckpt, device, dtype, n, steps)
+            conn.send("ready")
+            while True:
+                cmd = conn.recv()
+                if cmd[0] == "exit":
+                    conn.send({"peak_gb": _peak_bytes(device) / 2**30})
+                    return
+                conn.send(run.prefill() if cmd[0] == "prefill" else run.decode(*cmd[1:]))
+    except BaseException as exc:  # report, never hang the parent
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _measure(impls: list[str], args, ckpt: str, n: int) -> dict:
+    """All ``impls`` at context ``n``, interleaved: each process is loaded and warmed up before the next starts,
+    then prefill repetitions alternate (best of up to ``--reps``, no new repetition after ~60 s per implementation)
+    and decode runs in ``--rounds`` alternating rounds. Returns one result (or error) per implementation."""
+    ctx = mp.get_context("spawn")
+    procs, conns, res = {}, {}, {}
+
+    class Failed(RuntimeError):
+        def __init__(self, impl, msg):
+            super().__init__(msg)
+            self.impl = impl
+
+    def ask(impl, cmd):
+        conns[impl].send(cmd)
+        r = conns[impl].recv()
+        if isinstance(r, dict) and "error" in r:
+            raise Failed(impl, r["error"])
+        return r
+
+    try:
+        for impl in impls:
+            conns[impl], child = ctx.Pipe()
+            procs[impl] = ctx.Process(target=_server, args=(impl, ckpt, args.device, args.dtype, n, args.steps,
+                                                            args.threads, child))
+            procs[impl].start()
+            msg = conns[impl].recv()
+            if msg != "ready":
+                raise Failed(impl, msg["error"])
+        runs = {i: [] for i in impls}
+        t0 = time.perf_counter()
+        for rep in range(args.reps):
+            if rep and time.perf_counter() - t0 > 60 * len(impls):
+                break
+            for impl in impls:
+                runs[impl].append(ask(impl, ("prefill",)))
+        dec = {i: [] for i in impls}  # one entry per round
+        chunk = max(1, -(-args.steps // args.rounds))
+        for i in range(0, args.steps, chunk):
+            for impl in impls:
+                dec[impl].append(ask(impl, ("decode", i, min(args.steps, i + chunk))))
+        on_cpu = args.device == "cpu"
+        key = "cpu" if on_cpu else "wall"  # CPU time on a shared CPU (wall time measures the neighbours)
+        for impl in impls:
+            peak = ask(impl, ("exit",))
+            prefill_s = min(r[key] for r in runs[impl])
+            steps = [t for r in dec[impl] for t in r[key]]
+            res[impl] = {"prefill_s": prefill_s, "prefill_tok_s": n / prefill_s,
+                         "decode_ms": statistics.median(steps),
+                         "round_ms": [statistics.median(r[key]) for r in dec[impl]],
+                         "wall_prefill_s": min(r["wall"] for r in runs[impl]),
+                         "wall_decode_ms": statistics.median(t for r in dec[impl] for t in r["wall"]), **peak,
+                         "logits": [torch.from_numpy(x) for x in
+                                    [runs[impl][-1]["logits"]] + [lg for r in dec[impl] for lg in r["logits"]]]}
+    except Failed as exc:
+        res = {i: {"error": str(exc) if i == exc.impl else f"not measured: {exc.impl} failed"} for i in impls}
+    except (EOFError, BrokenPipeError) as exc:  # a process died without a word (e.g. the OOM killer)
+        codes = {i: p.exitcode for i, p in procs.items()}
+        res = {i: {"error": f"{type(exc).__name__}; process exit codes {codes}"} for i in impls}
+    finally:
+        for p in procs.values():
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return res
 
 
 def _estimate_gb(impl: str, c, n: int, dtype_bytes: int) -> float:
@@ -155,12 +229,14 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--ckpt", help="existing checkpoint directory (default: a synthetic one of --preset)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
-    ap.add_argument("--steps", type=int, default=16, help="decode steps per context (the median is quoted)")
-    ap.add_argument("--reps", type=int, default=3, help="prefill repetitions (the best is quoted; stops after 60 s)")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per context (the median is quoted)")
+    ap.add_argument("--rounds", type=int, default=8, help="decode rounds the steps are split into, alternating")
+    ap.add_argument("--reps", type=int, default=3, help="prefill repetitions (the best is quoted)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-    ap.add_argument("--mem-fraction", type=float, default=0.8, help="share of free memory a run may be estimated at")
+    ap.add_argument("--mem-fraction", type=float, default=0.8, help="share of free memory the runs of one context "
+                    "(all alive together) may be estimated at")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per run (1: CPU time = work done)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
@@ -174,26 +250,19 @@ def main() -> int:
     name = (torch.cuda.get_device_name() if args.device.startswith("cuda") else
             f"CPU x{args.threads} threads (times are CPU seconds of the run's process)")
     print(f"# {args.preset} ({c.num_layers} layers, hidden {c.hidden_size}, {c.num_experts} experts) on {name}, "
-          f"{args.dtype}, torch {torch.__version__}", flush=True)
-    ctx = mp.get_context("spawn")
+          f"{args.dtype}, torch {torch.__version__}; implementations measured interleaved", flush=True)
     rows, ok = [], True
     for n in args.contexts:
-        res = {}
-        for impl in args.impls:
-            need, free = _estimate_gb(impl, c, n, dbytes), _available_gb(args.device)
-            if need > args.mem_fraction * free:
-                res[impl] = {"skipped": f"needs ~{need:.0f} GiB, {free:.0f} GiB free"}
-                continue
-            q = ctx.Queue()
-            p = ctx.Process(target=_child, args=(impl, ckpt, args.device, args.dtype, n, args.steps, args.reps,
-                                                 args.threads, q))
-            p.start()
-            r = q.get()
-            p.join()
-            res[impl] = r if p.exitcode == 0 or "error" in r else {"error": f"exit code {p.exitcode}"}
-            if "logits" in r:
-                r["logits"] = [torch.from_numpy(x) for x in r["logits"]]
-        base = next((r for r in res.values() if "logits" in r), None)
+        res, live, budget = {}, [], args.mem_fraction * _available_gb(args.device)
+        for impl in args.impls:  # the processes of one context are alive together: their estimates add up
+            need = _estimate_gb(impl, c, n, dbytes)
+            if need > budget:
+                res[impl] = {"skipped": f"needs ~{need:.0f} GiB, {budget / args.mem_fraction:.0f} GiB free"}
+            else:
+                live.append(impl)
+                budget -= need
+        res.update(_measure(live, args, ckpt, n) if live else {})
+        base = next((res[i] for i in args.impls if "logits" in res.get(i, {})), None)
         for impl, r in res.items():
             if "logits" in r and r is not base:
                 scale = max(1.0, max(float(x.abs().max()) for x in base["logits"]))
@@ -202,11 +271,16 @@ def main() -> int:
                     ok = False
                     r["error"] = f"logits differ by {r['max_diff']:.2e} (relative) > {tol}: timings not quoted"
         hf = res.get("transformers", {})
-        for impl, r in res.items():
+        for impl in args.impls:
+            r = res[impl]
             row = {"context": n, "impl": impl, **{k: v for k, v in r.items() if k != "logits"}}
             if "error" not in r and "skipped" not in r and "prefill_s" in hf and impl != "transformers":
                 row["prefill_speedup"] = r["prefill_tok_s"] / hf["prefill_tok_s"]
                 row["decode_speedup"] = hf["decode_ms"] / r["decode_ms"]
+                per_round = [a / b for a, b in zip(hf["round_ms"], r["round_ms"])]  # paired: same load
+                row["decode_speedup_paired"] = statistics.median(per_round)
+                row["decode_speedup_rounds"] = [min(per_round), max(per_round)]
+            ok &= "error" not in r
             rows.append(row)
             print(_fmt(row), flush=True)
     if args.out:
@@ -225,7 +299,9 @@ def _fmt(row: dict) -> str:
     if "max_diff" in row:
         s += f"  logits diff {row['max_diff']:.1e}"
     if "prefill_speedup" in row:
-        s += f"  vs transformers: prefill x{row['prefill_speedup']:.1f}, decode x{row['decode_speedup']:.1f}"
+        lo, hi = row["decode_speedup_rounds"]
+        s += (f"  vs transformers: prefill x{row['prefill_speedup']:.1f}, decode x{row['decode_speedup']:.1f} "
+              f"(per round: median x{row['decode_speedup_paired']:.1f}, x{lo:.1f}-x{hi:.1f})")
     return s
 
 
