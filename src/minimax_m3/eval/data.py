@@ -75,10 +75,7 @@ def load_v2(data_dir) -> list[dict]:
     path = d / "data.json"
     if not path.is_file():
         raise LongBenchDataError(f"no data.json in {d}; {_layout_hint(d)}")
-    try:
-        items = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise LongBenchDataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); re-download LongBench-v2 data.json") from e
+    items = _read_json(path, "; re-download LongBench-v2 data.json")
     if not isinstance(items, list):
         raise LongBenchDataError(f"{path}: expected a JSON array of questions, got {type(items).__name__}")
     for i, item in enumerate(items):
@@ -87,6 +84,14 @@ def load_v2(data_dir) -> list[dict]:
             raise LongBenchDataError(f"{path}: item {i} lacks field(s) {', '.join(missing)}")
     _check_unique_ids(items, path)
     return items
+
+
+def _read_json(path: Path, fix: str = ""):
+    """One JSON document; a parse error names the file, the line and (``fix``) what to do."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise LongBenchDataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}){fix}") from e
 
 
 def _check_unique_ids(rows: list[dict], path: Path) -> None:
@@ -110,10 +115,7 @@ def _find_config_dir(longbench_dir: Path) -> Path:
 def _load_json_map(path: Path) -> dict:
     if not path.is_file():
         raise LongBenchDataError(f"missing {path}; the LongBench checkout is incomplete")
-    try:
-        out = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise LongBenchDataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from e
+    out = _read_json(path)
     if not isinstance(out, dict):
         raise LongBenchDataError(f"{path}: expected a JSON object mapping task -> value")
     return out
