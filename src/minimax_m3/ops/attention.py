@@ -6,20 +6,28 @@ Queries ``[B, Hq, T, D]``, keys/values ``[B, Hkv, S, D]``; query head ``h`` belo
 """
 
 import torch
+import torch.nn.functional as F
 
 from .indexer import block_keep_mask, select_blocks_for_queries
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float):
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float,
+                     sdpa: bool = False):
     """Softmax attention of ``q [B, Hq, T, D]`` over ``k, v [B, Hkv, S, D]`` where ``keep [B, G|1, T, S]``.
 
     Scores are computed in the inputs' dtype and the softmax in float32 (like transformers' eager path).
-    Every query row must keep at least one key.
+    ``sdpa=True`` runs the same attention through ``F.scaled_dot_product_attention`` (one fused kernel on CPU and
+    CUDA; float32: equal up to rounding, tested; bfloat16 accumulates in float32 inside the kernel). The plain
+    formula stays the default: it is what the Neuron graph traces. Every query row must keep at least one key.
     """
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     r = hq // hkv
     qg = q.reshape(b, hkv, r * t, d)  # a group's query heads stacked as rows: K/V are read once, never copied
+    if sdpa:
+        g = keep.shape[1]  # decode (t == 1): the mask broadcasts over a group's query rows as it is
+        mask = keep if t == 1 else keep.unsqueeze(2).expand(b, g, r, t, s).reshape(b, g, r * t, s)
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).view(b, hq, t, d)
     scores = (torch.matmul(qg, k.transpose(-1, -2)) * scale).view(b, hkv, r, t, s)
     scores = scores.float().masked_fill(~keep.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, r * t, s)
@@ -59,34 +67,43 @@ def prefill_attention(
 
 
 def decode_attention_dense(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, sdpa: bool = False) -> torch.Tensor:
     """One new token per row: ``q [B, Hq, 1, D]`` at positions ``q_pos [B]`` over the whole cache."""
     keep = causal_keep(q_pos.view(-1, 1), k_cache.shape[2])
-    return masked_attention(q, k_cache, v_cache, keep, scale)
+    return masked_attention(q, k_cache, v_cache, keep, scale, sdpa)
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+def block_rows(blocks: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Row ids into a cache viewed as ``[B * G * num_blocks, block_size, D]`` for ``blocks [B, G, K]``, flat.
+
+    ``-1`` slots read block 0 (their keys are masked by the caller)."""
+    b, g, _ = blocks.shape
+    base = torch.arange(b * g, device=blocks.device).view(b, g, 1) * num_blocks
+    return (base + blocks.clamp(min=0)).reshape(-1)  # one index per selected block, not per element
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """Read only the selected blocks: ``cache [B, G, S, D]``, ``blocks [B, G, K]`` → ``[B, G, K*bs, D]``.
 
-    ``-1`` slots read block 0 (their keys are masked by the caller).
-    """
+    ``rows``: :func:`block_rows` computed once for several caches of the same shape."""
     b, g, s, d = cache.shape
     nblk = s // block_size
-    base = torch.arange(b * g, device=cache.device).view(b, g, 1) * nblk
-    rows = (base + blocks.clamp(min=0)).reshape(-1)  # one index per selected block, not per element
+    rows = block_rows(blocks, nblk) if rows is None else rows
     return cache.reshape(b * g * nblk, block_size, d).index_select(0, rows).view(b, g, -1, d)
 
 
 def decode_attention_sparse(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor, blocks: torch.Tensor,
-    block_size: int, scale: float,
+    block_size: int, scale: float, sdpa: bool = False,
 ) -> torch.Tensor:
     """Sparse decode: each KV group reads only its selected blocks ``blocks [B, G, K]`` from the caches
     (``[B, G, S, D]``, S a multiple of ``block_size``) and attends causally within them."""
-    kg = gather_blocks(k_cache, blocks, block_size)
-    vg = gather_blocks(v_cache, blocks, block_size)
+    rows = block_rows(blocks, k_cache.shape[2] // block_size)
+    kg = gather_blocks(k_cache, blocks, block_size, rows)
+    vg = gather_blocks(v_cache, blocks, block_size, rows)
     b, g, kk = blocks.shape
     # each gathered key's position; an empty (-1) slot starts past the query, so the causal rule drops it
     first = torch.where(blocks >= 0, blocks * block_size, q_pos.view(b, 1, 1) + 1)
     key_pos = (first.unsqueeze(-1) + torch.arange(block_size, device=q.device)).view(b, g, 1, kk * block_size)
-    return masked_attention(q, kg, vg, key_pos <= q_pos.view(b, 1, 1, 1), scale)
+    return masked_attention(q, kg, vg, key_pos <= q_pos.view(b, 1, 1, 1), scale, sdpa)

@@ -27,10 +27,17 @@ from .parallel import ShardPlan
 class FastPaths:
     """Which prefill attention runs. ``auto``: FlexAttention where it compiles to a fused kernel (CUDA), else the
     tiled ``ops.prefill_attention``; ``flex``: FlexAttention anywhere (``flex_compile=None`` compiles on CUDA only);
-    ``plain``: always ``ops``. Decode always reads only the selected blocks (``ops.decode_attention_sparse``)."""
+    ``plain``: always ``ops``. Decode always reads only the selected blocks (``ops.decode_attention_sparse``); its
+    attention runs through ``F.scaled_dot_product_attention`` (``decode="sdpa"``) or the plain formula (``"plain"``)."""
 
     prefill: str = "auto"
     flex_compile: bool | None = None
+    decode: str = "sdpa"
+
+    def sdpa(self) -> bool:
+        if self.decode not in ("sdpa", "plain"):
+            raise ValueError(f"decode implementation {self.decode!r}; choose sdpa or plain")
+        return self.decode == "sdpa"
 
     def flex(self, device: torch.device) -> bool:
         if self.prefill not in ("auto", "flex", "plain"):
@@ -155,9 +162,9 @@ class Attention(nn.Module):
             if self.sparse:
                 blocks = ops.select_blocks_for_queries(iq, ikc, positions, **sel)  # [B, G, 1, K]
                 out = ops.decode_attention_sparse(qg, kc, vc, positions[:, 0], blocks[:, :, 0], c.index_block_size,
-                                                  c.softmax_scale)
+                                                  c.softmax_scale, self.paths.sdpa())
             else:
-                out = ops.decode_attention_dense(qg, kc, vc, positions[:, 0], c.softmax_scale)
+                out = ops.decode_attention_dense(qg, kc, vc, positions[:, 0], c.softmax_scale, self.paths.sdpa())
             out = out.reshape(b, self.nq, 1, c.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nq * c.head_dim))
 
