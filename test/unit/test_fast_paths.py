@@ -148,3 +148,38 @@ def test_model_sdpa_decode_equals_plain(tiny_ckpt):
     with pytest.raises(ValueError, match="choose sdpa or plain"):
         model.paths.decode = "fast"
         model.paths.sdpa()
+
+
+def test_fused_input_projection_follows_weight_updates(tiny_ckpt):
+    """A layer's five input projections run as one matmul over one weight whose row blocks the ``nn.Linear`` weights
+    view. Whatever happens to the weights afterwards (in-place load, a replaced parameter, a dtype change), the model
+    computes what a freshly built model with those weights computes, and no weight is held twice."""
+    from minimax_m3.reference.loader import build_model, load_model
+
+    model = load_model(tiny_ckpt)
+    ids = torch.randint(3, TINY.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(40).unsqueeze(0)
+
+    def run(m):
+        return m(ids, pos, m.new_cache(1, 40), 40, decode=False)
+
+    def fresh(m):
+        return build_model(TINY, {k: v.clone() for k, v in m.state_dict().items()}, "cpu")
+
+    run(model)
+    attn = model.layers[1].attn
+    for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.index_q_proj, attn.index_k_proj):
+        assert lin.weight.untyped_storage().data_ptr() == attn._fused.untyped_storage().data_ptr()
+    before = run(model)
+    state = model.state_dict()
+    g = torch.Generator().manual_seed(4)  # noise, not a scale: the per-head RMS norm would undo a scale
+    model.load_state_dict({k: v + torch.randn(v.shape, generator=g) if k.endswith(("q_proj.weight", "v_proj.weight"))
+                           else v for k, v in state.items()})  # copies into the existing (view) parameters
+    after = run(model)
+    assert (after - before).abs().max() > 1e-3
+    assert torch.equal(after, run(fresh(model)))
+    attn.v_proj.weight = torch.nn.Parameter(torch.randn_like(attn.v_proj.weight))  # a new tensor: rebuilt
+    assert torch.equal(run(model), run(fresh(model)))
+    model.to(torch.float64)
+    assert run(model).dtype == torch.float32 and torch.equal(run(model), run(fresh(model)))
+    assert attn._fused.dtype == torch.float64

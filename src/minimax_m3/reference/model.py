@@ -114,36 +114,54 @@ class Attention(nn.Module):
             self.index_k_proj = nn.Linear(h, c.index_head_dim, bias=False)
             self.index_q_norm = Norm(c.index_head_dim, c.rms_norm_eps)
             self.index_k_norm = Norm(c.index_head_dim, c.rms_norm_eps)
+        self._parts = [(self.q_proj, self.q_norm, self.nq, d), (self.k_proj, self.k_norm, self.nkv, d)]
+        if sparse:
+            self._parts += [(self.index_q_proj, self.index_q_norm, self.nkv, c.index_head_dim),
+                            (self.index_k_proj, self.index_k_norm, 1, c.index_head_dim)]
+        self._widths = list(dict.fromkeys(p[3] for p in self._parts))  # q and k first: same-width parts adjoin
+        self._fused, self._fused_ptrs = None, []
+
+    def _in_proj(self) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+        """This layer's input projections as one weight: rows ``[q; k; (index q; index k;) v]``, so a step runs one
+        matmul instead of five; also each head width's per-head norm weights, and the row split.
+
+        The ``nn.Linear`` modules keep their names and shapes (checkpoints, sharding and tests see them as before)
+        but their weights become views into the one tensor: it is built on first use and rebuilt whenever a weight
+        is no longer such a view (after ``.to()``, ``load_state_dict(assign=True)``, ...), so an in-place update
+        stays visible and no weight is held twice. The norm weights (a few hundred numbers) are rebuilt each call."""
+        lins = [p[0] for p in self._parts] + [self.v_proj]
+        if self._fused is None or any(lin.weight.data_ptr() != ptr for lin, ptr in zip(lins, self._fused_ptrs)):
+            with torch.inference_mode(False), torch.no_grad():
+                fused, start = torch.cat([lin.weight for lin in lins]), 0
+                for lin in lins:
+                    rows = lin.weight.shape[0]
+                    lin.weight.data = fused[start:start + rows]
+                    start += rows
+            self._fused, self._fused_ptrs = fused, [lin.weight.data_ptr() for lin in lins]
+        groups = [[p for p in self._parts if p[3] == d] for d in self._widths]  # q, k and index q, k are in order
+        norms = [torch.cat([norm.weight.expand(n, d) for _, norm, n, d in g]) for g in groups]
+        return self._fused, norms, [sum(n * d for _, _, n, d in g) for g in groups] + [self.v_proj.weight.shape[0]]
 
     def _rotary_heads(self, x, cos, sin) -> list[torch.Tensor]:
-        """q, k and (sparse layers) the index q, k: projected, RMS-normed per head and rotated, ``[B, n, S, d]`` each.
-
-        Heads of one width go through the norm and the rotation together (the norm weights laid out per head), so a
-        decode step runs these few elementwise ops once, not once per projection: same math, fewer small ops."""
-        c = self.c
+        """q, k, (sparse layers) the index q, k and v, ``[B, n, S, d]`` each: projected by one matmul, then q, k and
+        the index q, k RMS-normed per head and rotated. Heads of one width go through the norm and the rotation
+        together (the norm weights laid out per head): same math as one projection at a time, fewer small ops."""
         b, s, _ = x.shape
-        parts = [(self.q_proj, self.q_norm, self.nq, c.head_dim), (self.k_proj, self.k_norm, self.nkv, c.head_dim)]
-        if self.sparse:
-            parts += [(self.index_q_proj, self.index_q_norm, self.nkv, c.index_head_dim),
-                      (self.index_k_proj, self.index_k_norm, 1, c.index_head_dim)]
+        weight, norms, split = self._in_proj()
+        *ys, v = F.linear(x, weight).split(split, dim=-1)
         out = []
-        for d in dict.fromkeys(p[3] for p in parts):  # each head width once, in order
-            group = [p for p in parts if p[3] == d]
-            y = torch.cat([proj(x).view(b, s, n, d) for proj, _, n, _ in group], dim=2)
-            w = torch.cat([norm.weight.expand(n, d) for _, norm, n, _ in group])
-            y = ops.apply_rope(ops.rms_norm(y, w, c.rms_norm_eps).transpose(1, 2), cos, sin)
-            out += y.split([n for _, _, n, _ in group], dim=1)
-        return out
+        for y, w, d in zip(ys, norms, self._widths):
+            y = ops.apply_rope(ops.rms_norm(y.view(b, s, -1, d), w, self.c.rms_norm_eps).transpose(1, 2), cos, sin)
+            out += y.split([n for _, _, n, dd in self._parts if dd == d], dim=1)
+        return out + [v.view(b, s, self.nkv, self.c.head_dim).transpose(1, 2)]
 
     def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, decode: bool):
         c = self.c
         b, s, _ = x.shape
-        q, k, *index = self._rotary_heads(x, cos, sin)
-        v = self.v_proj(x).view(b, s, self.nkv, c.head_dim).transpose(1, 2)
-        kc, vc = cache.write_kv(layer, k, v, positions)
-        if decode and self.sparse:  # whole blocks, so the cache can be paged by block
+        q, k, *index, v = self._rotary_heads(x, cos, sin)
+        kc, vc = cache.write_kv(layer, k, v, positions)  # the whole caches: sparse decode pages them by block
+        if decode and self.sparse:  # index keys in whole blocks (the selection never picks a block past a query)
             kv_len = -(-kv_len // c.index_block_size) * c.index_block_size
-        kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         sel = dict(block_size=c.index_block_size, topk=c.index_topk, init_blocks=c.index_init_blocks,
                    local_blocks=c.index_local_blocks)
         if self.sparse:
@@ -162,9 +180,10 @@ class Attention(nn.Module):
             if self.sparse:
                 blocks = ops.select_blocks_for_queries(iq, ikc, positions, **sel)  # [B, G, 1, K]
                 out = ops.decode_attention_sparse(qg, kc, vc, positions[:, 0], blocks[:, :, 0], c.index_block_size,
-                                                  c.softmax_scale, self.paths.sdpa())
+                                                  c.softmax_scale, self.paths.sdpa())  # whole caches: no copy
             else:
-                out = ops.decode_attention_dense(qg, kc, vc, positions[:, 0], c.softmax_scale, self.paths.sdpa())
+                out = ops.decode_attention_dense(qg, kc[:, :, :kv_len], vc[:, :, :kv_len], positions[:, 0],
+                                                 c.softmax_scale, self.paths.sdpa())
             out = out.reshape(b, self.nq, 1, c.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nq * c.head_dim))
 
