@@ -9,7 +9,10 @@ alternate too, so every comparison is made under the same load (on a shared mach
 time within minutes). The first step of every decode round is a warm-up, run but not timed, for every
 implementation alike: it pays for the caches the other process evicted in between, a cost that steps run back to
 back (as in serving) never see (small preset at 8K: our first step after another process ran takes ~1.5x a steady
-step). Before any time is quoted the logits are checked equal: the prefill's last-position logits
+step). Every process runs with glibc's allocator settings pinned (``MALLOC_MMAP_THRESHOLD_`` at its 32 MiB maximum,
+trimming off; unless already set): with the default, adaptive ones, transformers' decode at 8K measured 21 or 71 ms
+per step depending on the allocator's history (fresh pages for its growing caches), with them 24 ms in each run. Before
+any time is quoted the logits are checked equal: the prefill's last-position logits
 and every decode step's logits (decode is teacher-forced with the same token ids for both implementations). A
 context whose estimated memory would not fit is skipped for that implementation with the estimate, so the machine
 is never pushed into the OOM killer.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import sys
@@ -145,7 +149,9 @@ def _measure(impls: list[str], args, ckpt: str, n: int) -> dict:
     """All ``impls`` at context ``n``, interleaved: each process is loaded and warmed up before the next starts,
     then prefill repetitions alternate (best of up to ``--reps``, no new repetition after ~60 s per implementation)
     and decode runs in ``--rounds`` alternating rounds. Returns one result (or error) per implementation."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn")  # children read the allocator settings at start (see the module docstring)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 * 2**20))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**40))
     procs, conns, res = {}, {}, {}
 
     class Failed(RuntimeError):
@@ -234,7 +240,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--ckpt", help="existing checkpoint directory (default: a synthetic one of --preset)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
-    ap.add_argument("--steps", type=int, default=64, help="decode steps per context (the median is quoted)")
+    ap.add_argument("--steps", type=int, default=256, help="decode steps per context (the median is quoted)")
     ap.add_argument("--rounds", type=int, default=8, help="decode rounds the steps are split into, alternating")
     ap.add_argument("--round-warmup", type=int, default=1, help="untimed steps at the start of every decode round")
     ap.add_argument("--reps", type=int, default=3, help="prefill repetitions (the best is quoted)")
