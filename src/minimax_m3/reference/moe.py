@@ -57,17 +57,20 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     t, k = experts.shape
     n_local = gate_up.shape[0]
     strategy = strategy or pick_strategy(x.device, x.dtype, t * k, n_local)
-    local = experts - first_expert
-    mine = (local >= 0) & (local < n_local)
     wide = torch.promote_types(x.dtype, torch.float32)  # float32 math for bf16; float64 stays float64
+    every = first_expert == 0 and n_local == c.num_experts  # no expert parallelism: every slot is local
+    local = experts if every else experts - first_expert
+    mine = None if every else (local >= 0) & (local < n_local)
     if strategy == "gather":  # rows in (token, slot) order: no sorting at all
-        ids = local.clamp(0, n_local - 1).reshape(-1)
+        ids = (local if every else local.clamp(0, n_local - 1)).reshape(-1)
         xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, 1, x.shape[-1])
         ys = ops.expert_ffn(xs, gate_up.index_select(0, ids), down.index_select(0, ids), c.swiglu_alpha,
                             c.swiglu_limit).squeeze(1)  # index_select: ~3x faster than advanced indexing on CPU
-        contrib = torch.where(mine.reshape(-1, 1), (ys.to(wide) * weights.reshape(-1, 1)).to(x.dtype), 0.0)
+        contrib = (ys.to(wide) * weights.reshape(-1, 1)).to(x.dtype)
+        if not every:
+            contrib = torch.where(mine.reshape(-1, 1), contrib, 0.0)
         return contrib.view(t, k, -1).sum(dim=1)
-    key = torch.where(mine, local, n_local).reshape(-1)  # tokens of other ranks sort last
+    key = (local if every else torch.where(mine, local, n_local)).reshape(-1)  # other ranks' tokens sort last
     order = torch.argsort(key, stable=True)
     counts = torch.zeros(n_local + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     xs = x[order // k]
@@ -85,9 +88,9 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
             start += n
     else:
         raise ValueError(f"MoE strategy {strategy!r}; choose grouped, gather or loop")
-    w_sorted = torch.where(mine.reshape(-1), weights.reshape(-1), 0.0)[order]
-    # rows past the last group's end are not written by grouped_mm: select, never multiply, them away
-    valid = (key[order] < n_local).unsqueeze(-1)
-    contrib = torch.where(valid, (ys.to(wide) * w_sorted[:, None]).to(x.dtype), 0.0)
+    w_sorted = (weights if every else torch.where(mine, weights, 0.0)).reshape(-1)[order]
+    contrib = (ys.to(wide) * w_sorted[:, None]).to(x.dtype)
+    if not every:  # rows past the last group's end are not written by grouped_mm: select, never multiply, them away
+        contrib = torch.where((key[order] < n_local).unsqueeze(-1), contrib, 0.0)
     unsorted = torch.empty_like(contrib).index_copy_(0, order, contrib)  # back to (token, slot) order
     return unsorted.view(t, k, -1).sum(dim=1)
