@@ -46,6 +46,18 @@ def test_partial_rope_matches_transformers():
     assert torch.equal(ops.apply_rope(x, cos, sin)[..., C.rotary_dim:], x[..., C.rotary_dim:])  # pass-through
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_are_bit_equal_to_apply_rope(dtype):
+    """The table form (full-width cos/sin, rotate-half as a permutation) gives exactly ``apply_rope``'s numbers."""
+    pos = torch.tensor([[0, 1, 5, 100, 4095], [7, 8, 9, 10, 65000]])
+    x = rnd(2, 3, 5, C.head_dim, seed=4).to(dtype)
+    cos, sin = ops.rope_cos_sin(pos, ops.rope_inv_freq(C.rotary_dim, C.rope_theta), dtype)
+    want = ops.apply_rope(x, cos, sin)
+    got = ops.apply_rope_tables(x, *ops.rope_tables(cos, sin, C.head_dim))
+    assert torch.equal(got, want)
+    assert not torch.equal(want[..., :C.rotary_dim], x[..., :C.rotary_dim])  # it did rotate
+
+
 def test_swiglu_oai_matches_dense_mlp_and_clamps():
     cfg = hf_text_config()
     mlp = hfm.MiniMaxM3VLDenseMLP(cfg, intermediate_size=48)

@@ -9,13 +9,13 @@ from .indexer import block_keep_mask, index_block_scores, select_blocks, select_
 from .mlp import swiglu_mlp, swiglu_oai
 from .moe import combine_matrix, expert_ffn, moe_all_experts, route
 from .norm import rms_norm
-from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .rope import apply_rope, apply_rope_tables, rope_cos_sin, rope_inv_freq, rope_tables
 from .sampling import filter_logits, sample
 
 __all__ = [
-    "apply_rope", "block_keep_mask", "causal_keep", "combine_matrix", "decode_attention_dense",
+    "apply_rope", "apply_rope_tables", "block_keep_mask", "causal_keep", "combine_matrix", "decode_attention_dense",
     "decode_attention_sparse", "expert_ffn", "filter_logits", "gather_blocks", "index_block_scores",
     "masked_attention", "moe_all_experts", "prefill_attention", "rms_norm", "rope_cos_sin", "rope_inv_freq",
-    "route", "sample", "select_blocks", "select_blocks_for_queries", "swiglu_mlp", "swiglu_oai",
+    "rope_tables", "route", "sample", "select_blocks", "select_blocks_for_queries", "swiglu_mlp", "swiglu_oai",
     "write_positions",
 ]

@@ -23,3 +23,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = rd // 2
     rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
     return torch.cat(((x_rot * c) + (rotated * s), x_pass), dim=-1)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
+    """Full-width tables for :func:`apply_rope_tables`, built once per forward and shared by every layer.
+
+    ``cos`` padded with ones and ``sin`` with zeros over the pass-through channels; rotate-half's sign folded into
+    ``sin`` and its channel swap into a permutation. Returns ``(cos [.., head_dim], sin [.., head_dim], perm)``."""
+    rd, half = cos.shape[-1], cos.shape[-1] // 2
+    pad = head_dim - rd
+    cos_f = torch.nn.functional.pad(cos, (0, pad), value=1.0)
+    sin_f = torch.nn.functional.pad(torch.cat((-sin[..., :half], sin[..., half:]), dim=-1), (0, pad), value=0.0)
+    ch = torch.arange(head_dim, device=cos.device)
+    perm = torch.where(ch < half, ch + half, torch.where(ch < rd, ch - half, ch))
+    return cos_f, sin_f, perm
+
+
+def apply_rope_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` with the tables of :func:`rope_tables`: four ops instead of ten, the same numbers
+    (``x * 1 + x' * 0`` on the pass-through channels and ``x_j * (-s)`` for ``(-x_j) * s``: bit-equal, tested)."""
+    return x * cos.unsqueeze(1) + x.index_select(-1, perm) * sin.unsqueeze(1)

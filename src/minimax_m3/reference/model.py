@@ -142,7 +142,7 @@ class Attention(nn.Module):
         norms = [torch.cat([norm.weight.expand(n, d) for _, norm, n, d in g]) for g in groups]
         return self._fused, norms, [sum(n * d for _, _, n, d in g) for g in groups] + [self.v_proj.weight.shape[0]]
 
-    def _rotary_heads(self, x, cos, sin) -> list[torch.Tensor]:
+    def _rotary_heads(self, x, rope) -> list[torch.Tensor]:
         """q, k, (sparse layers) the index q, k and v, ``[B, n, S, d]`` each: projected by one matmul, then q, k and
         the index q, k RMS-normed per head and rotated. Heads of one width go through the norm and the rotation
         together (the norm weights laid out per head): same math as one projection at a time, fewer small ops."""
@@ -151,14 +151,15 @@ class Attention(nn.Module):
         *ys, v = F.linear(x, weight).split(split, dim=-1)
         out = []
         for y, w, d in zip(ys, norms, self._widths):
-            y = ops.apply_rope(ops.rms_norm(y.view(b, s, -1, d), w, self.c.rms_norm_eps).transpose(1, 2), cos, sin)
+            y = ops.rms_norm(y.view(b, s, -1, d), w, self.c.rms_norm_eps).transpose(1, 2)
+            y = ops.apply_rope_tables(y, *rope[d])
             out += y.split([n for _, _, n, dd in self._parts if dd == d], dim=1)
         return out + [v.view(b, s, self.nkv, self.c.head_dim).transpose(1, 2)]
 
-    def forward(self, x, cos, sin, positions, cache: KVCache, layer: int, kv_len: int, decode: bool):
+    def forward(self, x, rope, positions, cache: KVCache, layer: int, kv_len: int, decode: bool):
         c = self.c
         b, s, _ = x.shape
-        q, k, *index, v = self._rotary_heads(x, cos, sin)
+        q, k, *index, v = self._rotary_heads(x, rope)
         kc, vc = cache.write_kv(layer, k, v, positions)  # the whole caches: sparse decode pages them by block
         if decode and self.sparse:  # index keys in whole blocks (the selection never picks a block past a query)
             kv_len = -(-kv_len // c.index_block_size) * c.index_block_size
@@ -200,8 +201,8 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c, c.dense_intermediate_size, plan)
         self.i, self.plan = i, plan
 
-    def forward(self, x, cos, sin, positions, cache, kv_len, decode):
-        attn = self.attn(self.input_layernorm(x), cos, sin, positions, cache, self.i, kv_len, decode)
+    def forward(self, x, rope, positions, cache, kv_len, decode):
+        attn = self.attn(self.input_layernorm(x), rope, positions, cache, self.i, kv_len, decode)
         x = x + self.plan.all_reduce(attn)
         h = self.post_attention_layernorm(x)
         return x + self.plan.all_reduce(self.moe(h) if hasattr(self, "moe") else self.mlp(h))
@@ -227,10 +228,12 @@ class M3Model(nn.Module):
         """Hidden states → float32 logits. ``ids, positions [B, S]``; prefill starts at position 0.
 
         ``logits_at [B]`` picks one position per row (saves the lm_head over the whole prompt)."""
+        c = self.config
         x = self._embed(ids)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq, x.dtype)
+        rope = {d: ops.rope_tables(cos, sin, d) for d in {c.head_dim, c.index_head_dim}}  # per head width, once
         for layer in self.layers:
-            x = layer(x, cos, sin, positions, cache, kv_len, decode)
+            x = layer(x, rope, positions, cache, kv_len, decode)
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
         return self.plan.all_gather_last(F.linear(self.norm(x), self.lm_head.weight).float())
