@@ -183,3 +183,33 @@ def test_fused_input_projection_follows_weight_updates(tiny_ckpt):
     model.to(torch.float64)
     assert run(model).dtype == torch.float32 and torch.equal(run(model), run(fresh(model)))
     assert attn._fused.dtype == torch.float64
+
+
+def test_decode_step_never_copies_a_cache(tiny_ckpt):
+    """No op of a decode step allocates anything near the size of a layer's keys: the sparse layers page the whole
+    caches by block (a slice of a longer cache is not contiguous, and paging it would copy it whole every step)
+    and the dense layer reads its cache in place."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from minimax_m3.reference.loader import load_model
+
+    model = load_model(tiny_ckpt)
+    n = 2000
+    cache = model.new_cache(1, 4000)  # longer than the context, as in serving
+    ids = torch.randint(3, TINY.vocab_size, (1, n + 1), generator=torch.Generator().manual_seed(5))
+    model(ids[:, :n], torch.arange(n).unsqueeze(0), cache, n, decode=False)
+    new = []
+
+    class NewAllocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(a, torch.Tensor)}
+            new.extend((t.untyped_storage().nbytes(), str(func)) for t in torch.utils._pytree.tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins)
+            return out
+
+    with NewAllocations():
+        model(ids[:, n:], torch.tensor([[n]]), cache, n + 1, decode=True)
+    keys = TINY.num_kv_heads * n * TINY.head_dim * 4  # one layer's keys over the context, float32
+    assert new and max(new)[0] < keys / 2, (max(new), keys)  # the largest is an expert-weight gather (1/4)

@@ -86,12 +86,12 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int,
                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """Read only the selected blocks: ``cache [B, G, S, D]``, ``blocks [B, G, K]`` → ``[B, G, K*bs, D]``.
 
-    ``rows``: :func:`block_rows` computed once for several caches of the same shape. ``cache`` must be contiguous
-    (the whole cache, not a slice of it): a slice would have to be copied whole on every step, so it is refused."""
+    ``rows``: :func:`block_rows` computed once for several caches of the same shape. Pass the whole cache, not a
+    slice of it: a slice is not contiguous, and the reshape below would copy all of it on every step."""
     b, g, s, d = cache.shape
     nblk = s // block_size
     rows = block_rows(blocks, nblk) if rows is None else rows
-    return cache.view(b * g * nblk, block_size, d).index_select(0, rows).view(b, g, -1, d)
+    return cache.reshape(b * g * nblk, block_size, d).index_select(0, rows).view(b, g, -1, d)
 
 
 def decode_attention_sparse(
