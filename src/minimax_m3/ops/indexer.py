@@ -20,8 +20,13 @@ def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, 
     """
     b, g, tq, _ = iq.shape
     sk = ik.shape[1]
-    # the G index heads stacked as rows of one product: the shared index keys are read once, never copied
-    scores = torch.matmul(iq.float().reshape(b, g * tq, -1), ik.float().transpose(-1, -2)).view(b, g, tq, sk)
+    # the G index heads stacked as rows of one product: the shared index keys are read once, never copied. Few
+    # rows (decode): keys on the left, a tall-skinny product that streams the cold index keys faster on CPU
+    rows = iq.float().reshape(b, g * tq, -1)
+    if g * tq <= 16:
+        scores = torch.matmul(ik.float(), rows.transpose(-1, -2)).transpose(-1, -2).reshape(b, g, tq, sk)
+    else:
+        scores = torch.matmul(rows, ik.float().transpose(-1, -2)).view(b, g, tq, sk)
     k_pos = torch.arange(sk, device=iq.device)
     future = k_pos.view(1, 1, 1, sk) > q_pos.view(b, 1, tq, 1)
     scores = scores.masked_fill(future, float("-inf"))
