@@ -18,7 +18,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
     Scores are computed in the inputs' dtype and the softmax in float32 (like transformers' eager path).
     ``sdpa=True`` runs the same attention through ``F.scaled_dot_product_attention`` (one fused kernel on CPU and
     CUDA; float32: equal up to rounding, tested; bfloat16 accumulates in float32 inside the kernel). The plain
-    formula stays the default: it is what the Neuron graph traces. Every query row must keep at least one key.
+    formula stays the default: it is what the Neuron graph traces. Decode-sized row counts (``r * t <= 16``) put
+    the keys on the left of the score product, a tall-skinny product that streams a cold cache faster on CPU
+    (same dot products). Every query row must keep at least one key.
     """
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -28,7 +30,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
         g = keep.shape[1]  # decode (t == 1): the mask broadcasts over a group's query rows as it is
         mask = keep if t == 1 else keep.unsqueeze(2).expand(b, g, r, t, s).reshape(b, g, r * t, s)
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).view(b, hq, t, d)
-    scores = (torch.matmul(qg, k.transpose(-1, -2)) * scale).view(b, hkv, r, t, s)
+    if r * t <= 16:  # decode-sized: keys on the left (see above)
+        scores = (torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2) * scale).view(b, hkv, r, t, s)
+    else:
+        scores = (torch.matmul(qg, k.transpose(-1, -2)) * scale).view(b, hkv, r, t, s)
     scores = scores.float().masked_fill(~keep.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, r * t, s)
     return torch.matmul(probs, v).view(b, hq, t, d)
