@@ -103,8 +103,10 @@ def test_decode_step_never_reads_a_value_on_the_host():
     cache = model.new_cache(2, 64)
     ids = torch.zeros(2, 1, dtype=torch.long, device="meta")
     pos = torch.full((2, 1), 40, dtype=torch.long, device="meta")
-    out = model(ids, pos, cache, 41, decode=True)
-    assert out.shape == (2, 1, TINY.vocab_size) and out.device.type == "meta"
+    for attention in ("plain", "sdpa"):  # the CPU and the CUDA default
+        model.paths.decode = attention
+        out = model(ids, pos, cache, 41, decode=True)
+        assert out.shape == (2, 1, TINY.vocab_size) and out.device.type == "meta"
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -124,6 +126,8 @@ def test_sdpa_decode_equals_plain(sparse):
     plain, fused = run(False), run(True)
     assert plain.shape == fused.shape == (b, g * r, 1, d)
     assert (fused - plain).abs().max() < 1e-5
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()  # CUDA's default dtype: within bf16 rounding
+    assert (run(True).float() - plain).abs().max() < 3e-2 and (run(False).float() - plain).abs().max() < 3e-2
     # and the mask is really applied: attending to every key changes the result
     everything = ops.masked_attention(q, kc, vc, torch.ones(b, 1, 1, s, dtype=torch.bool), 0.25, sdpa=True)
     assert (everything - plain).abs().max() > 1e-2
