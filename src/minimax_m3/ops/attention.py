@@ -8,7 +8,7 @@ Queries ``[B, Hq, T, D]``, keys/values ``[B, Hkv, S, D]``; query head ``h`` belo
 import torch
 import torch.nn.functional as F
 
-from .indexer import block_keep_mask, select_blocks_for_queries
+from .indexer import FEW_ROWS, block_keep_mask, select_blocks_for_queries
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float,
@@ -18,9 +18,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
     Scores are computed in the inputs' dtype and the softmax in float32 (like transformers' eager path).
     ``sdpa=True`` runs the same attention through ``F.scaled_dot_product_attention`` (one fused kernel on CPU and
     CUDA; float32: equal up to rounding, tested; bfloat16 accumulates in float32 inside the kernel). The plain
-    formula stays the default: it is what the Neuron graph traces. Decode-sized row counts (``r * t <= 16``) put
-    the keys on the left of the score product, a tall-skinny product that streams a cold cache faster on CPU
-    (same dot products). Every query row must keep at least one key.
+    formula stays the default: it is what the Neuron graph traces. Decode-sized row counts (``r * t <= FEW_ROWS``)
+    put the keys on the left of the score product (see ``indexer.FEW_ROWS``). Every query row must keep at least
+    one key.
     """
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -30,7 +30,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: to
         g = keep.shape[1]  # decode (t == 1): the mask broadcasts over a group's query rows as it is
         mask = keep if t == 1 else keep.unsqueeze(2).expand(b, g, r, t, s).reshape(b, g, r * t, s)
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).view(b, hq, t, d)
-    if r * t <= 16:  # decode-sized: keys on the left (see above)
+    if r * t <= FEW_ROWS:  # decode-sized: keys on the left
         scores = (torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2) * scale).view(b, hkv, r, t, s)
     else:
         scores = (torch.matmul(qg, k.transpose(-1, -2)) * scale).view(b, hkv, r, t, s)

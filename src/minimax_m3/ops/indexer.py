@@ -11,6 +11,10 @@ Every shape depends only on input shapes; there is no host synchronisation (XLA-
 import torch
 import torch.nn.functional as F
 
+# At most this many query rows per product ("decode-sized"), the keys go on the left of a score product: a
+# tall-skinny product streams a cold cache faster on CPU (measured: 8K index keys 141 -> 117 us); same dot products.
+FEW_ROWS = 16
+
 
 def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
     """Block scores ``[B, G, Tq, ceil(Sk / block_size)]`` (float32).
@@ -20,10 +24,9 @@ def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, 
     """
     b, g, tq, _ = iq.shape
     sk = ik.shape[1]
-    # the G index heads stacked as rows of one product: the shared index keys are read once, never copied. Few
-    # rows (decode): keys on the left, a tall-skinny product that streams the cold index keys faster on CPU
+    # the G index heads stacked as rows of one product: the shared index keys are read once, never copied
     rows = iq.float().reshape(b, g * tq, -1)
-    if g * tq <= 16:
+    if g * tq <= FEW_ROWS:
         scores = torch.matmul(ik.float(), rows.transpose(-1, -2)).transpose(-1, -2).reshape(b, g, tq, sk)
     else:
         scores = torch.matmul(rows, ik.float().transpose(-1, -2)).view(b, g, tq, sk)

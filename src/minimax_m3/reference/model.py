@@ -120,7 +120,9 @@ class Attention(nn.Module):
         if sparse:
             self._parts += [(self.index_q_proj, self.index_q_norm, self.nkv, c.index_head_dim),
                             (self.index_k_proj, self.index_k_norm, 1, c.index_head_dim)]
-        self._widths = list(dict.fromkeys(p[3] for p in self._parts))  # q and k first: same-width parts adjoin
+        widths = dict.fromkeys(p[3] for p in self._parts)  # q and k first: same-width parts adjoin
+        self._groups = [[p for p in self._parts if p[3] == d] for d in widths]  # one per head width, in order
+        self._split = [sum(n * w for _, _, n, w in g) for g in self._groups] + [self.nkv * c.head_dim]  # + v
         self._fused, self._fused_ptrs = None, []
 
     def _in_proj(self) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
@@ -140,9 +142,8 @@ class Attention(nn.Module):
                     lin.weight.data = fused[start:start + rows]
                     start += rows
             self._fused, self._fused_ptrs = fused, [lin.weight.data_ptr() for lin in lins]
-        groups = [[p for p in self._parts if p[3] == d] for d in self._widths]  # q, k and index q, k are in order
-        norms = [torch.cat([norm.weight.expand(n, d) for _, norm, n, d in g]) for g in groups]
-        return self._fused, norms, [sum(n * d for _, _, n, d in g) for g in groups] + [self.v_proj.weight.shape[0]]
+        norms = [torch.cat([norm.weight.expand(n, d) for _, norm, n, d in g]) for g in self._groups]
+        return self._fused, norms, self._split
 
     def _rotary_heads(self, x, rope) -> list[torch.Tensor]:
         """q, k, (sparse layers) the index q, k and v, ``[B, n, S, d]`` each: projected by one matmul, then q, k and
@@ -152,10 +153,11 @@ class Attention(nn.Module):
         weight, norms, split = self._in_proj()
         *ys, v = F.linear(x, weight).split(split, dim=-1)
         out = []
-        for y, w, d in zip(ys, norms, self._widths):
+        for y, w, group in zip(ys, norms, self._groups):
+            d = group[0][3]
             y = ops.rms_norm(y.view(b, s, -1, d), w, self.c.rms_norm_eps).transpose(1, 2)
             y = ops.apply_rope_tables(y, *rope[d])
-            out += y.split([n for _, _, n, dd in self._parts if dd == d], dim=1)
+            out += y.split([n for _, _, n, _ in group], dim=1)
         return out + [v.view(b, s, self.nkv, self.c.head_dim).transpose(1, 2)]
 
     def forward(self, x, rope, positions, cache: KVCache, layer: int, kv_len: int, decode: bool):
