@@ -4,9 +4,8 @@ import torch
 
 
 def write_positions(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, seq_dim: int) -> torch.Tensor:
-    """Return ``cache`` with ``new`` written at ``positions [B, T]`` along ``seq_dim`` (in place; XLA functionalises it).
-
-    ``cache`` is ``[B, ..., S, ...]`` and ``new`` the same with ``T`` in place of ``S``.
+    """Return ``cache`` with ``new`` written at ``positions [B, T]`` along ``seq_dim``, in place (XLA
+    functionalises it). ``cache`` is ``[B, ..., S, ...]`` and ``new`` the same with ``T`` in place of ``S``.
     """
     shape = [1] * new.dim()
     shape[0] = positions.shape[0]

@@ -4,9 +4,9 @@
 with the group offsets computed on the device: no Python loop over experts and no host synchronisation, so a
 decode step stays capturable in a CUDA graph. On CPU, decode-sized batches instead gather their chosen experts'
 weights and run one batched product (CPU's grouped_mm copies every expert's weights per call). Where the device has
-no grouped_mm, a loop over the used experts (with one ``.tolist()``) computes the same sums. Under expert parallelism a rank holds the contiguous experts
-``first_expert .. first_expert + E_local - 1``; tokens routed elsewhere contribute zero here (their rank adds them
-in the layer's all-reduce).
+no grouped_mm, a loop over the used experts (with one ``.tolist()``) computes the same sums. Under expert
+parallelism a rank holds the contiguous experts ``first_expert .. first_expert + E_local - 1``; tokens routed
+elsewhere contribute zero here (their rank adds them in the layer's all-reduce).
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 def pick_strategy(device: torch.device, dtype: torch.dtype, rows: int, n_local: int) -> str:
     """``grouped`` (torch._grouped_mm), ``gather`` (each (token, slot) row multiplies its expert's weights, gathered:
     reads exactly the chosen experts) or ``loop`` (over the used experts; one host read)."""
-    if device.type == "cpu":  # a host read is free here; CPU's grouped_mm copies every group's weights per call
-        if rows <= n_local:
-            return "gather"
-        return "grouped" if grouped_mm_available(device, dtype) else "loop"
+    if device.type == "cpu" and rows <= n_local:  # CPU's grouped_mm copies every group's weights per call
+        return "gather"
     return "grouped" if grouped_mm_available(device, dtype) else "loop"
 
 
@@ -57,6 +55,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     t, k = experts.shape
     n_local = gate_up.shape[0]
     strategy = strategy or pick_strategy(x.device, x.dtype, t * k, n_local)
+    if strategy not in ("grouped", "gather", "loop"):
+        raise ValueError(f"MoE strategy {strategy!r}; choose grouped, gather or loop")
     wide = torch.promote_types(x.dtype, torch.float32)  # float32 math for bf16; float64 stays float64
     every = first_expert == 0 and n_local == c.num_experts  # no expert parallelism: every slot is local
     local = experts if every else experts - first_expert
@@ -78,7 +78,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
         offs = counts[:n_local].cumsum(0).to(torch.int32)
         ys = ops.expert_ffn(xs, gate_up, down, c.swiglu_alpha, c.swiglu_limit,
                             matmul=lambda a, w: torch._grouped_mm(a, w, offs=offs))
-    elif strategy == "loop":
+    else:  # loop
         ys = torch.zeros(t * k, x.shape[-1], dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts[:n_local].tolist()):  # host read: the fallback only
@@ -86,8 +86,6 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                 ys[start:start + n] = ops.expert_ffn(xs[start:start + n], gate_up[e], down[e], c.swiglu_alpha,
                                                      c.swiglu_limit)
             start += n
-    else:
-        raise ValueError(f"MoE strategy {strategy!r}; choose grouped, gather or loop")
     w_sorted = (weights if every else torch.where(mine, weights, 0.0)).reshape(-1)[order]
     contrib = (ys.to(wide) * w_sorted[:, None]).to(x.dtype)
     if not every:  # rows past the last group's end are not written by grouped_mm: select, never multiply, them away
