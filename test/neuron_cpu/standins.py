@@ -84,6 +84,11 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         _real_values(module)
 
 
+# module name -> callable(module) that sets real values on a stand-in module; filled by other harnesses (e.g.
+# test/hlo's trace stand-ins) before ``install``.
+EXTRA_VALUES: dict = {}
+
+
 def _real_values(module: types.ModuleType) -> None:
     if module.__name__ == "torch_neuronx.utils":
         module.get_platform_target = lambda *a, **k: "trn2"
@@ -95,6 +100,8 @@ def _real_values(module: types.ModuleType) -> None:
         module.__version__ = "2.9.0+standin"
     elif module.__name__ == "neuronxcc":
         module.__version__ = "2.29.0+standin"
+    if module.__name__ in EXTRA_VALUES:  # last: a harness's real values win over the CPU-mode ones
+        EXTRA_VALUES[module.__name__](module)
 
 
 class _NeuronClasses(types.SimpleNamespace):
@@ -118,14 +125,18 @@ def _fx_module() -> types.ModuleType:
 _INSTALLED = False
 
 
-def install() -> None:
+def install(cpu_mode: bool = True) -> None:
     """Install the stand-ins (idempotent). ``torch_xla`` is imported first and for real: it would otherwise
-    look for ``libneuronxla`` and, finding our stand-in, take this host for a Neuron one."""
+    look for ``libneuronxla`` and, finding our stand-in, take this host for a Neuron one. ``cpu_mode=False`` leaves
+    NxDI's CPU mode off (the graph harness in ``test/hlo`` traces NxDI's device path)."""
     global _INSTALLED
     if _INSTALLED:
         return
     os.environ.setdefault("PJRT_DEVICE", "CPU")
-    os.environ["NXD_CPU_MODE"] = "1"
+    if cpu_mode:
+        os.environ["NXD_CPU_MODE"] = "1"
+    else:
+        os.environ.pop("NXD_CPU_MODE", None)
     import torch
     import torch_xla  # noqa: F401  (real, before the libneuronxla stand-in exists)
 

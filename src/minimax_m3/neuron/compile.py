@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+DEFAULT_CONTEXT_BUCKETS = [512, 1024, 2048, 4096]
 TRN2 = dict(tp_degree=64, moe_ep_degree=64, logical_nc_config=2)
 
 
@@ -22,12 +23,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=None, help="moe_ep_degree (moe_tp = tp / ep)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=4096, help="max total tokens per sequence")
-    p.add_argument("--context-buckets", default="512,1024,2048,4096",
-                   help="comma-separated prefill buckets (explicit, not auto-generated)")
+    p.add_argument("--context-buckets", default=None,
+                   help="comma-separated prefill buckets (default: those of 512,1024,2048,4096 up to --seq-len)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--prompt-ids", default="1,100,200,300,400", help="comma-separated token ids to generate from")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--token-buckets", default=None,
+                   help="comma-separated decode (token-generation) buckets; default: one bucket = --seq-len")
+    p.add_argument("--lnc", type=int, default=None, help="logical NeuronCore config (trn2: 2)")
     p.add_argument("--skip-compile", action="store_true", help="load an existing --compiled directory")
+    p.add_argument("--dry-run", action="store_true",
+                   help="trace every bucket to HLO (NxDI's compile(dry_run=True)), write the modules, the neuronx-cc "
+                        "commands, dry_run.json and graphs.json to --compiled, and stop (no weights read)")
 
 
 def run(args) -> int:
@@ -37,6 +44,8 @@ def run(args) -> int:
     from .engine import NeuronEngine, build_neuron_config
     from .model import NeuronMiniMaxM3ForCausalLM
 
+    if args.dry_run:
+        return _dry_run(args)
     model = args.model
     if args.synthetic:
         model = model or str(Path(tempfile.mkdtemp(prefix="m3-synth-")) / "tiny")
@@ -48,7 +57,7 @@ def run(args) -> int:
         if not model:
             raise SystemExit("--model is required (or --synthetic)")
         tp, ep, lnc = args.tp or TRN2["tp_degree"], args.ep or TRN2["moe_ep_degree"], TRN2["logical_nc_config"]
-        buckets = [int(b) for b in args.context_buckets.split(",") if int(b) <= args.seq_len]
+        buckets = [b for b in _buckets(args.context_buckets, DEFAULT_CONTEXT_BUCKETS, args.seq_len) if b <= args.seq_len]
     compiled = args.compiled or str(Path(model) / f"neuron-tp{tp}-ep{ep}-b{args.batch}-s{args.seq_len}")
     nc = build_neuron_config(
         tp_degree=tp, moe_ep_degree=ep, batch_size=args.batch, max_seq_len=args.seq_len,
@@ -75,6 +84,45 @@ def run(args) -> int:
     print(f"tokens: {res.tokens}")
     print(f"TTFT {ttft * 1e3:.1f} ms   ITL {itl * 1e3:.1f} ms/token   ({n} tokens, batch {args.batch}, TP {tp}, "
           f"EP {ep}, LNC {lnc})")
+    return 0
+
+
+def _buckets(text: str | None, default: list[int], seq_len: int) -> list[int]:
+    """Buckets from a comma-separated option; the default keeps only those up to the cache length (an explicit
+    bucket beyond it is an error, reported by the layout check)."""
+    if text:
+        return sorted({int(b) for b in text.split(",") if b.strip()})
+    return [b for b in default if b <= seq_len] or [seq_len]
+
+
+def _dry_run(args) -> int:
+    from . import dry_run
+
+    tp, ep = args.tp or TRN2["tp_degree"], args.ep or TRN2["moe_ep_degree"]
+    lnc = args.lnc or TRN2["logical_nc_config"]
+    ctx = _buckets(args.context_buckets, DEFAULT_CONTEXT_BUCKETS, args.seq_len)
+    tkg = _buckets(args.token_buckets, [args.seq_len], args.seq_len)
+    config = dry_run.check_layout(args.model, tp, ep, lnc, args.batch, args.seq_len, ctx, tkg)
+    out = args.compiled or str(Path(args.model) / f"neuron-tp{tp}-ep{ep}-b{args.batch}-s{args.seq_len}-dry-run")
+    from .config import MiniMaxM3InferenceConfig, load_m3_config
+    from .engine import build_neuron_config
+    from .model import NeuronMiniMaxM3ForCausalLM
+
+    nc = build_neuron_config(
+        tp_degree=tp, moe_ep_degree=ep, batch_size=args.batch, max_seq_len=args.seq_len,
+        max_context_length=max(ctx), dtype=args.dtype, logical_nc_config=lnc, enable_bucketing=True,
+        context_encoding_buckets=ctx, token_generation_buckets=tkg, attn_kernel_enabled=False,
+    )
+    app = NeuronMiniMaxM3ForCausalLM(args.model, MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(args.model)))
+    t0 = time.perf_counter()
+    manifest = dry_run.trace(app, out, "minimax-m3", config)
+    print(f"traced {len(ctx)} context-encoding bucket(s) {ctx} and {len(tkg)} token-generation bucket(s) {tkg} "
+          f"at TP {tp} / EP {ep} / LNC {lnc} in {time.perf_counter() - t0:.1f} s -> {manifest}")
+    try:
+        from . import graphs
+    except ImportError:
+        return 0
+    print(graphs.format_report([graphs.analyze_dir(out)]))
     return 0
 
 

@@ -1,0 +1,151 @@
+"""``minimax-m3 compile --dry-run``: NxDI's own ``compile(dry_run=True)``, then every bucket's HLO module on disk.
+
+NxD's ``ModelBuilder.trace`` lowers each bucket of each submodel (context encoding, token generation) to the HLO
+module neuronx-cc would receive; with ``dry_run=True`` it writes the neuronx-cc command lines instead of compiling
+(NxD still compiles the *priority* model, token generation bucket 0, when ``libneuronxla`` offers
+``neuron_xla_wlo_compile``; on a trn2 host that is one real compile). This module then writes, under ``OUT``:
+
+* ``hlo/<submodel>/bucket<i>.hlo``: the serialized ``xla.HloModuleProto`` of each bucket (rank 0's graph: NxD traces
+  one SPMD graph for all ranks at per-rank shapes);
+* ``workdir/``: NxD's compiler work directory (per bucket ``model/graph.hlo`` and the neuronx-cc command);
+* ``dry_run.json``: the layout, the model config and, per graph, its bucket, batch and the role and name of every
+  entry parameter (user input, state = aliased cache, weight, constant) read from the bucket's metaneff;
+* ``graphs.json``: the cost report of ``minimax-m3 graphs`` (when that module is present).
+
+Nothing here loads weights: a ``config.json`` is enough. Importing this module needs nothing beyond the package;
+the NxDI classes are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .._storage_base import write_atomic
+from ..config import ConfigError, M3Config
+
+ROLES = {0: "input", 1: "state", 2: "weight"}  # metaneff MetaTensor.Type: USER_INPUT, INPUT_STATE, INPUT_WEIGHT
+
+
+def check_layout(model: str | None, tp: int, ep: int, lnc: int, batch: int, seq_len: int,
+                 context_buckets: list[int], token_buckets: list[int]) -> M3Config:
+    """Every reason the port cannot trace this layout, in one :class:`ConfigError`; else the model config."""
+    from .plan import PlanError, weight_bytes
+
+    problems: list[str] = []
+    config = None
+    if not model:
+        problems.append("--model is required: a directory with the release's config.json (weights are not read)")
+    elif not (Path(model) / "config.json").is_file():
+        problems.append(f"{model}/config.json not found: --model must name a checkpoint directory (a dry run reads "
+                        "only its config.json)")
+    else:
+        try:
+            config = M3Config.from_pretrained(model)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    for name, value in (("--tp", tp), ("--ep", ep), ("--batch", batch), ("--seq-len", seq_len), ("lnc", lnc)):
+        if value < 1:
+            problems.append(f"{name} must be positive (got {value})")
+    for what, buckets in (("context", context_buckets), ("token-generation", token_buckets)):
+        if not buckets:
+            problems.append(f"no {what} bucket is <= --seq-len {seq_len}: give buckets up to the cache length")
+        too_long = [b for b in buckets if b > seq_len]
+        if too_long:
+            problems.append(f"{what} buckets {too_long} exceed the cache (--seq-len {seq_len}): a bucket larger than "
+                            "the cache cannot be traced; drop them or raise --seq-len")
+    if config is not None and min(tp, ep) >= 1:
+        try:
+            weight_bytes(config, tp, ep)
+        except PlanError as exc:
+            problems.append(f"unsupported TP/EP split: {exc}")
+        g = config.num_kv_heads
+        if tp % g and g % tp:
+            problems.append(f"--tp {tp} and {g} KV heads: one must divide the other")
+        if config.vocab_size % tp:
+            problems.append(f"vocabulary {config.vocab_size} is not a multiple of --tp {tp}")
+    if problems:
+        raise ConfigError(problems, source="compile --dry-run")
+    return config
+
+
+def _bucket_of(example_inputs) -> tuple[int, int]:
+    """(bucket length, batch) of one bucket's example inputs: NxDI passes input_ids, attention_mask, ... and the
+    attention mask spans the bucket (prefill: the prompt bucket; decode: the cache bucket)."""
+    ids, mask = example_inputs[0], example_inputs[1]
+    return int(mask.shape[-1]), int(ids.shape[0])
+
+
+def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> Path:
+    """After ``app.compile(out, dry_run=True)``: each bucket's module and ``dry_run.json``. Works for any NxDI
+    application (the published community port is traced by the same code in the tests)."""
+    from torch_neuronx.proto import metaneff_pb2
+
+    out = Path(out)
+    builder = app.get_builder()
+    nc = app.neuron_config
+    graphs = []
+    for key, artifacts in builder.model_collection.items():
+        for i, hlo in enumerate(artifacts.hlo_artifact_collection):
+            rel = Path("hlo") / key / f"bucket{i}.hlo"
+            write_atomic(out / rel, hlo.hlo_module.SerializeToString())
+            meta = metaneff_pb2.MetaNeff()
+            meta.ParseFromString(hlo.metaneff if isinstance(hlo.metaneff, bytes) else hlo.metaneff.SerializeToString())
+            params = []
+            for n, t in enumerate(meta.input_tensors):
+                name = (t.checkpoint_key or t.name or b"").decode(errors="replace")
+                role = ROLES.get(int(t.type), "constant")
+                if role == "weight" and not t.checkpoint_key:
+                    role = "constant"
+                params.append({"number": n, "role": role, "name": name})
+            bucket, batch = _bucket_of(artifacts.example_inputs[i])
+            workdir = Path(builder.compiler_workdir) / key / f"_tp0_bk{i}"
+            command = workdir / "command.txt"
+            graphs.append({"submodel": key, "bucket": bucket, "batch": batch, "hlo": str(rel),
+                           "command": str(command.relative_to(out)) if command.is_file() and _under(command, out)
+                           else (str(command) if command.is_file() else None),
+                           "compiler_args": artifacts.compiler_args, "params": params})
+    manifest = {
+        "format": 1, "port": port,
+        "layout": {"tp": nc.tp_degree, "ep": getattr(nc, "moe_ep_degree", 1), "lnc": nc.logical_nc_config,
+                   "world_size": nc.world_size, "rank": 0},
+        "dtype": str(nc.torch_dtype).replace("torch.", ""), "batch_size": nc.batch_size,
+        "max_length": nc.max_length, "model": _asdict(model_config), "graphs": graphs,
+    }
+    path = out / "dry_run.json"
+    write_atomic(path, (json.dumps(manifest, indent=1) + "\n").encode())
+    return path
+
+
+def _under(p: Path, root: Path) -> bool:
+    try:
+        p.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _asdict(c: M3Config) -> dict:
+    import dataclasses
+
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(c).items()}
+
+
+def trace(app, out: str | Path, port: str, model_config: M3Config) -> Path:
+    """NxDI's ``compile(dry_run=True)`` into ``out`` (compiler work directory ``out/workdir``), with HLO metadata
+    (source lines, for the cost report's classification), then :func:`write_manifest`."""
+    from neuronx_distributed.utils import HloMetadataLevel
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    old = os.environ.get("BASE_COMPILE_WORK_DIR")
+    os.environ["BASE_COMPILE_WORK_DIR"] = str(out / "workdir") + "/"
+    try:
+        app.compile(str(out), debug=HloMetadataLevel.INFO, dry_run=True)
+    finally:
+        if old is None:
+            os.environ.pop("BASE_COMPILE_WORK_DIR", None)
+        else:
+            os.environ["BASE_COMPILE_WORK_DIR"] = old
+    return write_manifest(app, out, port, model_config)
