@@ -73,8 +73,12 @@ class NeuronMiniMaxM3Model(NeuronBaseModel):
                                               shard_across_embedding=True)
         self.layers = nn.ModuleList(NeuronMiniMaxM3DecoderLayer(config, i) for i in range(c.num_layers))
         self.norm = GemmaNorm(c.hidden_size, c.rms_norm_eps)
+        # keep_padded_output: NxD pads the vocabulary to a multiple of TP, and NxDI's forward masks the last
+        # ``pad_size`` columns of the (gathered) logits; trimmed here, that mask would hit the last real tokens.
+        # As NxDI's gpt-oss / llama4: keep the padded width, the application head slices it off.
         self.lm_head = ColumnParallelLinear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype,
-                                            gather_output=not self.on_device_sampling, pad=True)
+                                            gather_output=not self.on_device_sampling, pad=True,
+                                            keep_padded_output=True)
 
     def init_inference_optimization(self, config: MiniMaxM3InferenceConfig):
         """As NxDI's, with the index-K cache added to the aliased cache list."""
@@ -108,6 +112,14 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
     @classmethod
     def get_state_dict(cls, model_name_or_path: str, config: MiniMaxM3InferenceConfig) -> dict:
         return stream_state_dict(model_name_or_path, config)
+
+    def forward(self, *args, **kwargs):
+        """NxDI's forward, with the LM head's vocabulary padding (a multiple of TP, masked) sliced off."""
+        out = super().forward(*args, **kwargs)
+        vocab = self.config.vocab_size
+        if getattr(out, "logits", None) is not None and out.logits.shape[-1] > vocab:
+            out.logits = out.logits[..., :vocab]
+        return out
 
     def checkpoint_loader_fn(self, mmap: bool = False):
         """NxDI's loader casts every float tensor to the model dtype; ours keeps the fp32 keys (folded norms,
