@@ -9,10 +9,8 @@ with botocore's retry config (``adaptive`` mode, 10 attempts, overridable by ``A
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
-import shutil
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -28,14 +26,15 @@ try:
     from s3transfer.manager import TransferManager
     from s3transfer.subscribers import BaseSubscriber
 except ImportError as e:  # pragma: no cover - exercised only without the s3 extra
-    from .storage import StorageError
+    from ._storage_base import StorageError
 
     raise StorageError(f"s3:// URIs need boto3 ({e}); install it: pip install 'minimax-m3-neuron[s3]'") from None
 from tqdm import tqdm
 
-from .storage import (
-    MANIFEST_NAME, AccessDeniedError, BucketNotFoundError, IncompleteUploadError, IntegrityError,
-    ObjectNotFoundError, StorageError, TransferInterruptedError, _hash_workers, sha256_file,
+from ._storage_base import (
+    _INTERNAL, MANIFEST_NAME, UPLOADING_NAME, AccessDeniedError, BucketNotFoundError, IncompleteUploadError,
+    IntegrityError, Journal, ObjectNotFoundError, StorageError, TransferInterruptedError, _hash_workers, etag_md5,
+    file_digests, unsafe_path,
 )
 
 MiB = 1 << 20
@@ -103,76 +102,6 @@ def translating(uri: str, action: str) -> Iterator[None]:
         raise translate(e, uri, action) from e
 
 
-class DirLock:
-    """An exclusive ``flock`` so concurrent processes (e.g. every rank of a job) fill a cache once."""
-
-    def __init__(self, path: Path):
-        self.path, self._fd = path, None
-
-    def __enter__(self) -> "DirLock":
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-
-
-class Journal:
-    """Files already verified and renamed into place, with their (size, mtime_ns) at that moment.
-
-    A file whose stat still matches is trusted on resume without re-hashing; one that is present with
-    the right size but unrecorded is re-hashed; anything else is downloaded again.
-    """
-
-    def __init__(self, path: Path):
-        self.path, self._lock, self.entries = path, threading.Lock(), {}
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    e = json.loads(line)
-                    self.entries[e["path"]] = (e["size"], e["sha256"], e["mtime_ns"])
-
-    def add(self, final: Path, f: dict[str, Any]) -> None:
-        st = final.stat()
-        line = json.dumps({"path": f["path"], "size": st.st_size, "sha256": f["sha256"], "mtime_ns": st.st_mtime_ns})
-        with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as fh:
-                fh.write(line + "\n")
-            self.entries[f["path"]] = (st.st_size, f["sha256"], st.st_mtime_ns)
-
-    def holds(self, dest: Path, f: dict[str, Any]) -> bool:
-        final = dest / f["path"]
-        try:
-            st = final.stat()
-        except FileNotFoundError:
-            return False
-        if st.st_size != f["size"]:
-            return False
-        if self.entries.get(f["path"]) == (st.st_size, f["sha256"], st.st_mtime_ns):
-            return True
-        if sha256_file(final) == f["sha256"]:
-            self.add(final, f)
-            return True
-        return False
-
-    def missing(self, dest: Path, files: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        with ThreadPoolExecutor(_hash_workers()) as pool:
-            held = list(pool.map(lambda f: self.holds(dest, f), files))
-        return [f for f, h in zip(files, held) if not h]
-
-
-def clear_temporaries(staging: Path, keep: Path) -> None:
-    """Delete every partially downloaded file under ``staging`` (the journal ``keep`` stays)."""
-    if not staging.is_dir():
-        return
-    for p in staging.iterdir():
-        if p != keep:
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
-
-
 class _Progress(BaseSubscriber):
     """Feeds s3transfer's byte counts into one shared tqdm bar (thread-safe)."""
 
@@ -219,47 +148,110 @@ def head_bucket(client: Any, bucket: str, uri: str) -> None:
                                   f"(aws s3 mb s3://{bucket}) or fix the URI / AWS_ENDPOINT_URL_S3") from None
 
 
-def get_manifest(client: Any, bucket: str, prefix: str, uri: str) -> bytes:
-    """The manifest's bytes; a prefix with objects but no manifest is an unfinished upload."""
-    try:
-        return get_object(client, bucket, key_of(prefix, MANIFEST_NAME), uri)
-    except ObjectNotFoundError:
-        pass
-    root = f"{prefix}/" if prefix else ""
-    with translating(uri, "s3:ListBucket"):
-        found = client.list_objects_v2(Bucket=bucket, Prefix=root, MaxKeys=1).get("KeyCount", 0)
-    if found:
+def listing_files(objects: dict[str, tuple[int, str]], uri: str) -> list[dict[str, Any]]:
+    """Manifest-like entries (path, size, etag and, for a plain ETag, its md5) for a prefix without a manifest.
+
+    Folder placeholders (keys ending in ``/``) and this package's local bookkeeping names are skipped; a key
+    that cannot be a file under a directory is refused.
+    """
+    files = []
+    for rel, (size, etag) in sorted(objects.items()):
+        if rel.endswith("/") or rel.split("/", 1)[0] in _INTERNAL:
+            continue
+        if why := unsafe_path(rel):
+            raise IntegrityError(f"{uri.rstrip('/')}/{rel}: this key cannot be a local file ({why}); rename or delete "
+                                 "the object (aws s3 mv / aws s3 rm) and try again")
+        f = {"path": rel, "size": size, "etag": etag}
+        if md5 := etag_md5(etag):
+            f["md5"] = md5
+        files.append(f)
+    parents = {"/".join(f["path"].split("/")[:i]) for f in files for i in range(1, f["path"].count("/") + 1)}
+    if clash := sorted(parents & {f["path"] for f in files}):
+        raise IntegrityError(f"{uri.rstrip('/')}/{clash[0]}: this key is both an object and a folder of other "
+                             "objects, which a local directory cannot hold; rename or delete one of them")
+    return files
+
+
+def remote_state(client: Any, bucket: str, prefix: str, uri: str, *,
+                 list_first: bool = False) -> tuple[bytes | None, list[dict[str, Any]] | None]:
+    """What the prefix holds: ``(manifest bytes, None)`` after a finished upload by this package, or
+    ``(None, listing_files(...))`` for a prefix written by other tools (``aws s3 sync``, boto3, ...).
+
+    One GET of the manifest when it exists (``list_first=False``), one paginated listing for a prefix
+    without one (``list_first=True``: what the cache saw last time). Refuses a prefix holding this
+    package's upload-in-progress marker and no manifest, and an empty prefix.
+    """
+    manifest_key = key_of(prefix, MANIFEST_NAME)
+    if not list_first:
+        try:
+            return get_object(client, bucket, manifest_key, uri), None
+        except ObjectNotFoundError:
+            pass
+    objects = list_objects(client, bucket, prefix, uri)
+    if MANIFEST_NAME in objects:
+        return get_object(client, bucket, manifest_key, uri), None
+    if UPLOADING_NAME in objects:
         raise IncompleteUploadError(
-            f"{uri}: the prefix has objects but no {MANIFEST_NAME}: its upload is incomplete (interrupted or still "
-            "running); re-run the upload (minimax_m3.storage.upload or the command's --upload) and try again")
+            f"{uri}: {UPLOADING_NAME} is here but no {MANIFEST_NAME}: its upload is incomplete (interrupted or still "
+            "running); re-run the upload (minimax_m3.storage.upload or the command's --upload) and try again. If the "
+            f"prefix was since filled by other tools, delete the marker: aws s3 rm {uri.rstrip('/')}/{UPLOADING_NAME}")
+    files = listing_files(objects, uri)
+    if files:
+        return None, files
+    if objects:
+        raise ObjectNotFoundError(f"{uri}: the prefix holds only folder placeholders (keys ending in '/'), no files; "
+                                  f"check the URI (aws s3 ls --recursive {uri.rstrip('/')}/)")
     raise ObjectNotFoundError(f"{uri}: nothing under this prefix; check the URI (aws s3 ls {uri.rstrip('/')}/) "
                               "or upload the directory first with --upload")
 
 
-def _place(f: dict[str, Any], tmp: Path, dest: Path, uri: str, journal: Journal) -> None:
-    """Check a downloaded temporary file against its manifest entry, then rename it into place."""
-    size = tmp.stat().st_size
-    digest = sha256_file(tmp) if size == f["size"] else "(not computed)"
-    if size != f["size"] or digest != f["sha256"]:
+def _kms_encrypted(client: Any, bucket: str, key: str, uri: str) -> bool:
+    """True when S3 encrypted the object with KMS: its plain-looking ETag is then no MD5 of the bytes."""
+    with translating(uri, "s3:GetObject"):
+        head = client.head_object(Bucket=bucket, Key=key)
+    return str(head.get("ServerSideEncryption", "")).startswith("aws:kms")
+
+
+def _place(f: dict[str, Any], tmp: Path, dest: Path, uri: str, journal: Journal, client: Any, key: str,
+           bucket: str) -> None:
+    """Check a downloaded temporary file against its manifest entry (size, sha256) or its listing entry
+    (size, the MD5 of a plain ETag), then rename it into place."""
+    src, size = f"{uri.rstrip('/')}/{f['path']}", tmp.stat().st_size
+    sha, md5 = file_digests(tmp, md5="md5" in f) if size == f["size"] else ("(not computed)", None)
+    bad = None
+    if "sha256" in f and (size != f["size"] or sha != f["sha256"]):
+        bad = (f"downloaded bytes do not match the manifest (size {size} vs {f['size']}, sha256 {sha} vs "
+               f"{f['sha256']}): the object was changed or corrupted after upload; re-upload the directory")
+    elif size != f["size"]:
+        bad = (f"downloaded {size} bytes but the listing says {f['size']}: the object changed during the download; "
+               "re-run the same command")
+    elif "md5" in f and md5 != f["md5"] and not _kms_encrypted(client, bucket, key, uri):
+        bad = (f"the downloaded bytes' MD5 {md5} does not match the object's ETag {f['etag']}: the stored object is "
+               "damaged or the bytes were corrupted on the way; re-run to download it again, and if it fails again "
+               f"upload that file anew (aws s3 cp FILE {src})")
+    if bad:
         tmp.unlink(missing_ok=True)
-        raise IntegrityError(
-            f"{uri.rstrip('/')}/{f['path']}: downloaded bytes do not match the manifest (size {size} vs "
-            f"{f['size']}, sha256 {digest} vs {f['sha256']}): the object was changed or corrupted after upload; "
-            "re-upload the directory")
+        raise IntegrityError(f"{src}: {bad}")
     final = dest / f["path"]
     final.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, final)
-    journal.add(final, f)
+    journal.add(final, f, sha)
 
 
 def fetch_verified(client: Any, bucket: str, prefix: str, uri: str, dest: Path, staging: Path,
-                   files: list[dict[str, Any]], journal: Journal, man: dict[str, Any], *, quiet: bool,
-                   config: Any = None) -> None:
-    """Download ``files`` into ``staging`` in parallel; verify and rename each into ``dest``."""
+                   files: list[dict[str, Any]], journal: Journal, *, quiet: bool, config: Any = None) -> None:
+    """Download ``files`` into ``staging`` in parallel; verify and rename each into ``dest``.
+
+    Entries with a sha256 come from a manifest, and the store's listing must still show their sizes;
+    entries with an etag come from that listing itself.
+    """
     todo = journal.missing(dest, files)
     if not todo:
         return
-    objects = list_objects(client, bucket, prefix, uri)
+    if all("etag" in f and "sha256" not in f for f in files):
+        objects = {f["path"]: (f["size"], f["etag"]) for f in files}
+    else:
+        objects = list_objects(client, bucket, prefix, uri)
     sizes = {rel: size for rel, (size, _) in objects.items()}
     for f in todo:
         if sizes.get(f["path"]) != f["size"]:
@@ -268,22 +260,21 @@ def fetch_verified(client: Any, bucket: str, prefix: str, uri: str, dest: Path, 
                 f"{'no such object' if f['path'] not in sizes else str(sizes[f['path']]) + ' bytes'}: the prefix "
                 "was changed after its upload; re-upload the directory")
     lock, total = threading.Lock(), sum(f["size"] for f in todo)
-    done = man["total_bytes"] - total
+    done = sum(f["size"] for f in files) - total
     with _bar(total, f"download {uri} ({done >> 20} MiB already here)", quiet) as bar, \
             translating(uri, "s3:GetObject"), ThreadPoolExecutor(_hash_workers()) as hashers, \
             TransferManager(client, config or transfer_config()) as tm:
         jobs = []
         for f in todo:
-            tmp = staging / f["path"]
+            tmp, key = staging / f["path"], key_of(prefix, f["path"])
             tmp.parent.mkdir(parents=True, exist_ok=True)
-            fut = tm.download(bucket, key_of(prefix, f["path"]), str(tmp),
-                              subscribers=[_Progress(bar, lock, *objects[f["path"]])])
-            jobs.append((f, tmp, fut))
+            fut = tm.download(bucket, key, str(tmp), subscribers=[_Progress(bar, lock, *objects[f["path"]])])
+            jobs.append((f, tmp, key, fut))
         checks = []
         try:
-            for f, tmp, fut in jobs:
+            for f, tmp, key, fut in jobs:
                 fut.result()
-                checks.append(hashers.submit(_place, f, tmp, dest, uri, journal))
+                checks.append(hashers.submit(_place, f, tmp, dest, uri, journal, client, key, bucket))
                 for c in checks:
                     if c.done():
                         c.result()  # fail early on a corrupted object
@@ -296,8 +287,13 @@ def fetch_verified(client: Any, bucket: str, prefix: str, uri: str, dest: Path, 
 
 def put_verified(client: Any, bucket: str, prefix: str, uri: str, root: Path, man: dict[str, Any], *,
                  quiet: bool, config: Any = None) -> None:
-    """Upload every manifest file not already stored with the same size and sha256 metadata."""
+    """Mark the prefix as being uploaded, withdraw its manifest, then upload every manifest file not
+    already stored with the same size and sha256 metadata."""
     existing = {rel: size for rel, (size, _) in list_objects(client, bucket, prefix, uri).items()}
+    marker = {"format": "minimax-m3-upload/1", "files": len(man["files"]), "total_bytes": man["total_bytes"]}
+    with translating(uri, "s3:PutObject"):
+        client.put_object(Bucket=bucket, Key=key_of(prefix, UPLOADING_NAME), Body=json.dumps(marker).encode(),
+                          ContentType="application/json")
     if MANIFEST_NAME in existing:  # the prefix reads as incomplete until the new manifest is written
         with translating(uri, "s3:DeleteObject"):
             client.delete_object(Bucket=bucket, Key=key_of(prefix, MANIFEST_NAME))
@@ -320,6 +316,12 @@ def put_verified(client: Any, bucket: str, prefix: str, uri: str, root: Path, ma
 
 
 def put_manifest(client: Any, bucket: str, prefix: str, uri: str, data: bytes) -> None:
+    """Write the manifest (the upload is complete from here on), then remove the in-progress marker.
+
+    A marker left next to a manifest (the delete failed) is harmless: the manifest wins.
+    """
     with translating(uri, "s3:PutObject"):
         client.put_object(Bucket=bucket, Key=key_of(prefix, MANIFEST_NAME), Body=data,
                           ContentType="application/json")
+    with translating(uri, "s3:DeleteObject"):
+        client.delete_object(Bucket=bucket, Key=key_of(prefix, UPLOADING_NAME))

@@ -1,17 +1,19 @@
 """Local paths and ``s3://bucket/prefix`` URIs behind one small interface.
 
-A model, checkpoint or compiled directory is named either by a local path or by an S3 prefix. An S3
-prefix holds a directory uploaded by :func:`upload`: the files under their relative paths plus
-``minimax-m3-manifest.json`` (relative path, size and sha256 of every file), written LAST, so a
-prefix without a manifest is a half-finished upload and is refused.
+A model, checkpoint or compiled directory is named either by a local path or by an S3 prefix. A
+prefix uploaded by :func:`upload` holds the files under their relative paths plus
+``minimax-m3-manifest.json`` (relative path, size and sha256 of every file), written LAST; while
+that upload runs the prefix also holds ``minimax-m3-upload-in-progress.json``, so a prefix with the
+marker and no manifest is this package's unfinished upload and is refused. A prefix without either
+was written by other tools (``aws s3 sync``, boto3) and is loaded from its listing.
 
 * :func:`resolve` turns either form into a local directory; an S3 prefix is downloaded once into a
   cache (``$MINIMAX_M3_CACHE`` or ``~/.cache/minimax-m3/s3``) and reused while the remote manifest
-  is unchanged.
+  (or, without one, the listing: keys, sizes, ETags) is unchanged.
 * :func:`download` fetches in parallel multipart ranged GETs (boto3's ``TransferManager``), checks
-  every file's size and sha256 against the manifest and renames it into place only when it matches.
-  An interrupted download keeps the files already verified; a partially downloaded file is
-  *restarted* (never resumed mid-file) on the next run.
+  every file's size and sha256 against the manifest (without one: size and, for a plain ETag, MD5)
+  and renames it into place only when it matches. An interrupted download keeps the files already
+  verified; a partially downloaded file is *restarted* (never resumed mid-file) on the next run.
 * :func:`upload` sends a directory in parallel and writes the manifest last; re-running it skips
   objects that already hold the right content.
 
@@ -24,51 +26,17 @@ Credentials, region and endpoint come from boto3's standard chain (``AWS_PROFILE
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
-MANIFEST_NAME = "minimax-m3-manifest.json"
-MANIFEST_FORMAT = "minimax-m3-manifest/1"
-STAGING_NAME = ".minimax-m3-partial"  # temporary names live here until verified
-LOCK_NAME = ".minimax-m3.lock"
-_INTERNAL = {MANIFEST_NAME, STAGING_NAME, LOCK_NAME}
-
-
-class StorageError(RuntimeError):
-    """A storage operation failed; the message names the URI and the fix."""
-
-
-class InvalidURIError(StorageError, ValueError):
-    """The string is not a usable local path or ``s3://bucket/prefix`` URI."""
-
-
-class BucketNotFoundError(StorageError):
-    """The S3 bucket does not exist (at this endpoint, for these credentials)."""
-
-
-class ObjectNotFoundError(StorageError):
-    """Nothing exists at the local path, S3 key or S3 prefix."""
-
-
-class AccessDeniedError(StorageError):
-    """The credentials may not perform the S3 action (or there are no credentials)."""
-
-
-class IncompleteUploadError(StorageError):
-    """The S3 prefix has objects but no manifest: its upload never finished."""
-
-
-class IntegrityError(StorageError):
-    """A file or object does not match its manifest entry (size or sha256), or the manifest is bad."""
-
-
-class TransferInterruptedError(StorageError):
-    """The network or the store failed after all retries; re-running resumes."""
+from ._storage_base import (  # noqa: F401  (re-exported: the public names live here)
+    LISTING_SOURCE, LOCK_NAME, MANIFEST_FORMAT, MANIFEST_NAME, STAGING_NAME, UPLOADING_NAME, AccessDeniedError,
+    BucketNotFoundError, DirLock, IncompleteUploadError, IntegrityError, InvalidURIError, Journal,
+    ObjectNotFoundError, StorageError, TransferInterruptedError, build_manifest, clear_temporaries, etag_md5,
+    file_digests, is_complete, manifest_bytes, parse_manifest, read_local_manifest, sha256_file, write_atomic,
+)
 
 
 # ----------------------------------------------------------------------------------------- URIs
@@ -102,94 +70,6 @@ def cache_path(uri: str, cache_dir: str | os.PathLike | None = None) -> Path:
     return root.joinpath(bucket, *[p for p in prefix.split("/") if p])
 
 
-# ------------------------------------------------------------------------------------- manifest
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
-    """Hex sha256 of a file, read in 8 MiB chunks (hashlib releases the GIL, so threads scale)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _hash_workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
-
-
-def build_manifest(local_dir: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of every regular file under ``local_dir`` (internal bookkeeping files excluded)."""
-    root = Path(local_dir)
-    if not root.is_dir():
-        raise ObjectNotFoundError(f"{root} is not a directory; pass the directory to upload")
-    paths = sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] not in _INTERNAL)
-    if not paths:
-        raise ObjectNotFoundError(f"{root} holds no files; nothing to upload")
-    with ThreadPoolExecutor(_hash_workers()) as pool:
-        digests = list(pool.map(sha256_file, paths))
-    files = [{"path": p.relative_to(root).as_posix(), "size": p.stat().st_size, "sha256": d}
-             for p, d in zip(paths, digests)]
-    return {"format": MANIFEST_FORMAT, "total_bytes": sum(f["size"] for f in files), "files": files}
-
-
-def parse_manifest(data: bytes, source: str) -> dict[str, Any]:
-    """Validate manifest bytes; every entry needs a safe relative path, a size and a sha256."""
-    try:
-        man = json.loads(data)
-        files = man["files"]
-        if man.get("format") != MANIFEST_FORMAT or not isinstance(files, list):
-            raise ValueError(f"format is {man.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-        for f in files:
-            p = PurePosixPath(f["path"])
-            if p.is_absolute() or ".." in p.parts or not p.parts or p.parts[0] in _INTERNAL:
-                raise ValueError(f"unsafe path {f['path']!r}")
-            if not (isinstance(f["size"], int) and f["size"] >= 0 and len(str(f["sha256"])) == 64):
-                raise ValueError(f"bad size/sha256 for {f['path']!r}")
-    except (ValueError, KeyError, TypeError) as e:
-        raise IntegrityError(f"{source}: invalid manifest ({e}); re-upload the directory with "
-                             "minimax_m3.storage.upload / --upload") from None
-    return man
-
-
-def manifest_bytes(man: dict[str, Any]) -> bytes:
-    return (json.dumps(man, indent=1, sort_keys=True) + "\n").encode()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def is_complete(local_dir: str | os.PathLike, manifest: dict[str, Any] | None = None,
-                rehash: bool = False) -> bool:
-    """True when ``local_dir`` holds its manifest (or ``manifest``) and every file has the listed size
-    (and sha256 with ``rehash=True``)."""
-    root = Path(local_dir)
-    local = root / MANIFEST_NAME
-    if not local.is_file():
-        return False
-    try:
-        have = parse_manifest(local.read_bytes(), str(local))
-    except IntegrityError:
-        return False
-    if manifest is not None and have["files"] != manifest["files"]:
-        return False
-    for f in have["files"]:
-        p = root / f["path"]
-        if not p.is_file() or p.stat().st_size != f["size"]:
-            return False
-        if rehash and sha256_file(p) != f["sha256"]:
-            return False
-    return True
-
-
 # ---------------------------------------------------------------------------------- public API
 
 
@@ -211,34 +91,51 @@ def resolve(uri: str | os.PathLike, cache_dir: str | os.PathLike | None = None, 
 
 def download(uri: str, dest_dir: str | os.PathLike, *, quiet: bool = False, rehash: bool = False,
              client: Any = None, config: Any = None) -> Path:
-    """Download the S3 prefix ``uri`` (uploaded by :func:`upload`) into ``dest_dir`` and verify it.
+    """Download the S3 prefix ``uri`` into ``dest_dir`` and verify it.
 
+    A prefix uploaded by :func:`upload` is checked against its manifest (size and sha256 of every
+    file). A prefix written by other tools (``aws s3 sync``, ``aws s3 cp --recursive``, boto3's
+    ``upload_file``) has no manifest: its paginated listing stands in for one, each file is checked
+    against the listed size and, where the ETag is a plain MD5 (single-part upload, not KMS), that MD5.
     Files land under a temporary name in ``dest_dir/.minimax-m3-partial`` and are renamed into place
-    only once their size and sha256 match the manifest; the manifest is written to ``dest_dir``
-    last, when everything is in place. On any failure the partial files are deleted, the verified
-    ones kept, and the next call downloads only what is missing. ``config`` is an optional
-    ``boto3.s3.transfer.TransferConfig``; ``client`` an optional boto3 S3 client.
+    only once verified; a manifest is written to ``dest_dir`` last, when everything is in place (for a
+    listed prefix: path, size, sha256 and ETag of every file, so later calls cost one listing). On any
+    failure the partial files are deleted, the verified ones kept, and the next call downloads only
+    what is missing. ``config`` is an optional ``boto3.s3.transfer.TransferConfig``; ``client`` an
+    optional boto3 S3 client.
     """
     from . import _s3
 
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest_dir).expanduser()
     client = client or _s3.make_client()
-    raw = _s3.get_manifest(client, bucket, prefix, uri)  # missing/denied/incomplete: fail before any write
-    man = parse_manifest(raw, f"{uri.rstrip('/')}/{MANIFEST_NAME}")
+    cached = read_local_manifest(dest)
+    # missing/denied/incomplete/empty: fail before any write
+    raw, listed = _s3.remote_state(client, bucket, prefix, uri,
+                                   list_first=cached is not None and cached.get("source") == LISTING_SOURCE)
+    if raw is not None:
+        man = parse_manifest(raw, f"{uri.rstrip('/')}/{MANIFEST_NAME}")
+    else:
+        man = {"format": MANIFEST_FORMAT, "source": LISTING_SOURCE, "files": listed,
+               "total_bytes": sum(f["size"] for f in listed)}
     dest.mkdir(parents=True, exist_ok=True)
-    with _s3.DirLock(dest / LOCK_NAME):
+    with DirLock(dest / LOCK_NAME):
         if is_complete(dest, man, rehash=rehash):
             return dest
+        previous = read_local_manifest(dest)  # its sha256s vouch for unchanged files of a listed prefix
         (dest / MANIFEST_NAME).unlink(missing_ok=True)  # the copy is about to change: not complete
         staging = dest / STAGING_NAME
-        journal = _s3.Journal(staging / "verified.jsonl")
-        _s3.clear_temporaries(staging, keep=journal.path)
+        journal = Journal(staging / "verified.jsonl", previous and previous["files"])
+        clear_temporaries(staging, keep=journal.path)
         try:
-            _s3.fetch_verified(client, bucket, prefix, uri, dest, staging, man["files"], journal, man,
+            _s3.fetch_verified(client, bucket, prefix, uri, dest, staging, man["files"], journal,
                                quiet=quiet, config=config)
         finally:
-            _s3.clear_temporaries(staging, keep=journal.path)
+            clear_temporaries(staging, keep=journal.path)
+        if raw is None:  # the listing, with the sha256 of every verified file, becomes the local manifest
+            files = [{"path": f["path"], "size": f["size"], "etag": f["etag"],
+                      "sha256": journal.entries[f["path"]]["sha256"]} for f in listed]
+            raw = manifest_bytes({**man, "files": files})
         write_atomic(dest / MANIFEST_NAME, raw)
         shutil.rmtree(staging, ignore_errors=True)
     return dest
@@ -248,9 +145,11 @@ def upload(local_dir: str | os.PathLike, uri: str, *, quiet: bool = False, clien
            config: Any = None) -> dict[str, Any]:
     """Upload every file under ``local_dir`` to the S3 prefix ``uri``, then the manifest, last.
 
-    An existing manifest at ``uri`` is deleted first, so the prefix reads as incomplete until this
-    upload finishes. Objects already holding the right bytes (same size and ``sha256`` metadata) are
-    skipped, so an interrupted upload is resumed by running it again. Returns the manifest.
+    The marker ``minimax-m3-upload-in-progress.json`` is written first and an existing manifest deleted,
+    so the prefix reads as this package's unfinished upload (refused by :func:`download`, unlike a
+    prefix written by other tools) until the manifest is written; the marker is deleted after it.
+    Objects already holding the right bytes (same size and ``sha256`` metadata) are skipped, so an
+    interrupted upload is resumed by running it again. Returns the manifest.
     """
     from . import _s3
 

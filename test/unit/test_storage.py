@@ -167,7 +167,10 @@ def test_checkpoint_round_trip_is_byte_identical_and_multipart(bucket, tmp_path)
     man = storage.upload(src, uri, quiet=True, client=rec.client, config=UP)
     assert rec.keys("CreateMultipartUpload") == ["release/bf16/model-00001-of-00002.safetensors"]
     assert len(rec.keys("UploadPart")) == 2  # 6 MiB shard in 5 MiB parts
-    assert rec.calls[-1][:2] == ("PutObject", f"release/bf16/{MANIFEST_NAME}")  # the manifest is last
+    marker = f"release/bf16/{storage.UPLOADING_NAME}"  # first write: the prefix reads as our unfinished upload
+    writes = [(o, k) for o, k, _ in rec.calls if o in ("PutObject", "CreateMultipartUpload", "DeleteObject")]
+    assert writes[0] == ("PutObject", marker)
+    assert writes[-2:] == [("PutObject", f"release/bf16/{MANIFEST_NAME}"), ("DeleteObject", marker)]  # manifest last
     assert len(man["files"]) == 4
 
     rec = Recorder()
@@ -204,7 +207,7 @@ def test_compiled_round_trip_through_resolve_and_cache(bucket, tmp_path, capfd):
     rec = Recorder()
     storage.upload(src, uri, quiet=True, client=rec.client, config=UP)
     assert [k for k in rec.keys("PutObject") + rec.keys("CreateMultipartUpload")] == \
-        ["neff/tp2/model.pt", f"neff/tp2/{MANIFEST_NAME}"]  # unchanged objects skipped
+        [f"neff/tp2/{storage.UPLOADING_NAME}", "neff/tp2/model.pt", f"neff/tp2/{MANIFEST_NAME}"]  # unchanged skipped
     rec = Recorder()
     assert storage.resolve(uri, quiet=True, client=rec.client, rehash=True) == got
     assert set(rec.keys("GetObject")) == {f"neff/tp2/{MANIFEST_NAME}", "neff/tp2/model.pt"}
@@ -297,9 +300,10 @@ def test_upload_interrupted_before_manifest_is_refused_then_resumed(bucket, tmp_
         storage.resolve(uri, tmp_path / "cache", quiet=True)
     assert not (tmp_path / "cache").exists()  # nothing written for a refused download
 
-    rec = Recorder()  # re-running the upload sends only the manifest
+    rec = Recorder()  # re-running the upload sends only the marker and the manifest
     storage.upload(src, uri, quiet=True, client=rec.client, config=UP)
-    assert [(o, k) for o, k, _ in rec.calls if o in ("PutObject", "UploadPart")] == [("PutObject", f"half/{MANIFEST_NAME}")]
+    assert [(o, k) for o, k, _ in rec.calls if o in ("PutObject", "UploadPart")] == \
+        [("PutObject", f"half/{storage.UPLOADING_NAME}"), ("PutObject", f"half/{MANIFEST_NAME}")]
     assert_same_tree(src, storage.resolve(uri, tmp_path / "cache", quiet=True))
 
     # Re-uploading new content over a complete prefix withdraws the old manifest first.
