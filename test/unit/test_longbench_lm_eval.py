@@ -57,6 +57,7 @@ def test_helpers():
     assert cut_at_stop("a.b\nc", ["\n", "."]) == "a"  # earliest stop wins
     assert cut_at_stop("abc", []) == "abc" and cut_at_stop("abc", [""]) == "abc"
     assert middle_truncate(list(range(10)), 5) == [0, 1, 8, 9] and middle_truncate([1, 2], 5) == [1, 2]
+    assert middle_truncate(list(range(10)), 1) == list(range(10))  # pred.py: half = 0 and ids[-0:] is all ids
 
 
 def test_registered_and_generate_until(tok):

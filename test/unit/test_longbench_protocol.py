@@ -24,6 +24,30 @@ def test_middle_truncation_rules():
     assert P.middle_truncate_v2(ids, 10) == ids
 
 
+def test_one_token_budget_as_pred_py():
+    ids = list(range(10))
+    # LongBench/pred.py: half = int(1/2) = 0, prompt = decode(ids[:0]) + decode(ids[-0:]); ids[-0:] is ids[0:],
+    # the whole list, so a budget of 1 keeps all 10 ids (nothing is cut; only special tokens are dropped).
+    assert P.middle_truncate_v1(ids, 1) == ([], ids)
+    # v2's pred.py: ids[:1//2] + ids[-1//2:] = ids[:0] + ids[-1:] (since -1//2 = -1): the last id only.
+    assert P.middle_truncate_v2(ids, 1) == [9]
+    assert P.middle_truncate_v1(ids, 3) == ([0], [9])  # half = int(3/2) = 1
+    for bad in (0, -4):
+        with pytest.raises(ValueError, match="at least 1 token.*--max-input-tokens"):
+            P.middle_truncate_v1(ids, bad)
+        with pytest.raises(ValueError, match="at least 1 token"):
+            P.middle_truncate_v2(ids, bad)
+
+
+def test_prepare_v1_one_token_budget_keeps_the_prompt(tok):
+    # the same rule through prepare_v1: decode([]) + decode(all 10 ids) = the whole prompt, then the chat rule
+    p = P.prepare_v1(tok, "0123456789", "trec", max_input_tokens=1)
+    assert tok.decode(p.ids) == "0123456789" and len(p.ids) == 10
+    p = P.prepare_v1(tok, "0123456789", "hotpotqa", max_input_tokens=1)
+    assert tok.decode(p.ids) == "<s><|user|>0123456789<|end|><|assistant|>"
+    assert tok.decode(P.prepare_v2(tok, "0123456789", max_input_tokens=1).ids) == "<s><|user|>9<|end|><|assistant|>"
+
+
 def test_prepare_v1_truncates_raw_prompt_before_chat_template(tok):
     # hotpotqa uses the chat template: truncate "0123456789" to 4 ids -> "01" + "89", then wrap it
     p = P.prepare_v1(tok, "0123456789", "hotpotqa", max_input_tokens=4)
@@ -104,7 +128,9 @@ def test_v2_prompt_and_thinking():
     item = {"context": " doc \n", "question": " q? ", "choice_A": "a", "choice_B": "b", "choice_C": "c", "choice_D": " d"}
     tmpl = "<text>\n$DOC$\n</text>\nQ: $Q$\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n(D) $C_D$"
     assert P.fill_v2_prompt(tmpl, item) == "<text>\ndoc\n</text>\nQ: q?\n(A) a\n(B) b\n(C) c\n(D) d"
-    assert P.extract_v2_answer(P.strip_thinking("<think>The correct answer is (A)</think>The correct answer is (B)")) == "B"
+    thought = "<think>The correct answer is (A)</think>The correct answer is (B)"
+    assert P.extract_v2_answer(thought) == "A"  # the official regex searches the whole response: first match
+    assert P.extract_v2_answer(P.strip_thinking(thought)) == "B"
 
 
 def test_prepare_v2_truncation(tok):

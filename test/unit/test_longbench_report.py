@@ -52,7 +52,8 @@ def test_v2_accuracy_splits():
         {"pred": None, "answer": "B", "difficulty": "hard", "length": "long"},
     ]
     r = score_v2(items)
-    assert r == {"overall": 50.0, "easy": 50.0, "hard": 50.0, "short": 100.0, "medium": 100.0, "long": 0.0, "n": 4, "n_unextracted": 1}
+    assert r == {"overall": 50.0, "easy": 50.0, "hard": 50.0, "short": 100.0, "medium": 100.0, "long": 0.0, "n": 4,
+                 "n_unextracted": 1, "n_empty_output": 0}  # fmt: skip
     # compensated: the None answer counts 0.25 -> hard (1 + .25)/2 = 62.5, long (0 + .25)/2 = 12.5
     c = score_v2(items, compensated=True)
     assert (c["hard"], c["long"]) == (62.5, 12.5)
@@ -74,3 +75,48 @@ def test_build_and_write_report(tmp_path):
     md = mpath.read_text()
     assert "| hotpotqa | qa_f1 | 1 | 100.00 |" in md and "| trec_e | classification | 1 | 100.00 | n/a | 100.00 | n/a |" in md
     assert "| 1 | 100.00 | 100.00 | n/a |" in md  # v2 row: n, overall, easy, hard (no hard items)
+
+
+def counted(hits, total=100):
+    """A passage_count prediction naming the answer "2" in ``hits`` of its ``total`` numbers: count_score is
+    hits / total (computed as a Python division, so 3/100 is the double 0.03)."""
+    return " ".join(["2"] * hits + ["0"] * (total - hits))
+
+
+@pytest.mark.parametrize(
+    "scores_hits,bucket,task_score",
+    [
+        # 40 samples, one scores 3/100 and 39 score 0. Exact: 100 * mean = 3/40 = 0.075. eval.py's scorer_e does
+        # round(100 * np.mean(s), 2) on a numpy float, i.e. numpy's round: 0.075's double (0.0749999999999999972)
+        # times 100 is within half an ulp of 7.5, so it becomes exactly 7.5; half to even -> 8 -> 0.08. Python's
+        # round on the same double sees 0.07499... -> 0.07, which eval.py's plain scorer (the "score") gives.
+        ([3] + [0] * 39, 0.08, 0.07),
+        # one 1/100 among 40: exact 0.025; the double is 0.02500000000000000139, x100 -> exactly 2.5 -> half to
+        # even -> 2 -> 0.02 (numpy); Python's round of 0.0250000...0139 -> 0.03.
+        ([1] + [0] * 39, 0.02, 0.03),
+        # 8 samples 0.03, 0.03, 0.03, 0.02 x 5. Exact: 100 * 0.19 / 8 = 2.375 = 19/8, binary-exact; numpy's
+        # pairwise sum of these 8 doubles lands on 0.19's double, so 100 * mean is exactly 2.375 -> half to even
+        # -> 2.38. A left-to-right sum gives 0.18999999999999997 -> 2.3749999999999996 -> 2.37 (the "score").
+        ([3, 3, 3, 2, 2, 2, 2, 2], 2.38, 2.37),
+    ],
+)
+def test_longbench_e_bucket_rounds_as_eval_py(scores_hits, bucket, task_score):
+    records = [rec(counted(h), ["2"], length=100) for h in scores_hits]
+    r = score_v1_task("passage_count_e", records)
+    assert r["buckets"] == {"0-4k": bucket, "4-8k": None, "8k+": None}
+    assert r["score"] == task_score
+
+
+def test_v2_empty_output_is_not_scored():
+    # pred.py `continue`s on an empty output, so result.py never counts that item. Items: easy/short right,
+    # hard/medium wrong, hard/long empty output, easy/long whitespace-only output (not empty there: its
+    # stripped response "" extracts no answer -> wrong). Official: n = 3, overall 1/3 = 33.3, easy 1/2 = 50.0,
+    # hard 0/1 = 0.0, short 100.0, medium 0.0, long 0/1 = 0.0.
+    items = [
+        {"pred": "A", "answer": "A", "difficulty": "easy", "length": "short", "empty_output": False},
+        {"pred": "B", "answer": "C", "difficulty": "hard", "length": "medium", "empty_output": False},
+        {"pred": None, "answer": "D", "difficulty": "hard", "length": "long", "empty_output": True},
+        {"pred": None, "answer": "D", "difficulty": "easy", "length": "long", "empty_output": False},
+    ]
+    assert score_v2(items) == {"overall": 33.3, "easy": 50.0, "hard": 0.0, "short": 100.0, "medium": 0.0, "long": 0.0,
+                               "n": 3, "n_unextracted": 1, "n_empty_output": 1}  # fmt: skip

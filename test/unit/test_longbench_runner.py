@@ -169,17 +169,36 @@ def test_limit_and_bad_input_fail_before_generating(env):
 
 
 def test_v2_run(env):
-    REPLIES.update({"KEY-v0": "**The correct answer is (B)**", "KEY-v1": "<think>maybe A</think>I am not sure"})
+    REPLIES.update({"KEY-v0": "**The correct answer is (B)**",
+                    "KEY-v1": "<think>The correct answer is (B)</think>The correct answer is (C)", "KEY-v2": ""})  # fmt: skip
     (env.lb / "prompts").mkdir()
     (env.lb / "prompts" / "0shot.txt").write_text("Text: $DOC$\nQ: $Q$\n(A) $C_A$ (B) $C_B$ (C) $C_C$ (D) $C_D$")
-    items = [{"_id": f"v{i}", "domain": "d", "difficulty": diff, "length": "short", "question": f"KEY-v{i}?", "answer": "B",
-              "context": " ctx ", **{f"choice_{k}": k.lower() for k in "ABCD"}} for i, diff in enumerate(["easy", "hard"])]
+    items = [{"_id": f"v{i}", "domain": "d", "difficulty": diff, "length": length, "question": f"KEY-v{i}?", "answer": "B",
+              "context": " ctx ", **{f"choice_{k}": k.lower() for k in "ABCD"}}
+             for i, (diff, length) in enumerate([("easy", "short"), ("hard", "short"), ("hard", "long")])]  # fmt: skip
     (env.data / "data.json").write_text(json.dumps(items))
     eng = FakeEngine(env.tok)
     report = run(env, eng, tasks="v2")
-    # v0: '*' removed -> "(B)" correct; v1: no answer after the thinking block -> None, wrong
-    assert report["tasks"]["v2"] == {"overall": 50.0, "easy": 100.0, "hard": 0.0, "short": 50.0, "medium": None,
-                                     "long": None, "n": 2, "n_unextracted": 1}  # fmt: skip
+    # Official protocol: v0 '*' removed -> "(B)" right. v1: no think stripping, the regex's first match is the
+    # "(B)" inside the thinking -> right. v2: empty output -> pred.py writes no line, so it is not counted.
+    # Over the 2 counted items: overall 2/2, easy 1/1, hard 1/1, short 2/2, no medium or long item.
+    assert report["tasks"]["v2"] == {"overall": 100.0, "easy": 100.0, "hard": 100.0, "short": 100.0, "medium": None,
+                                     "long": None, "n": 2, "n_unextracted": 0, "n_empty_output": 1}  # fmt: skip
+    recs = {r["_id"]: r for r in map(json.loads, (env.out / "pred" / "v2.jsonl").read_text().splitlines())}
+    assert recs["v2"]["empty_output"] and recs["v2"]["response"] == "" and not recs["v0"]["empty_output"]
     prompts, gen = eng.calls[0]
     assert env.tok.decode(prompts[0]) == "<s><|user|>Text: ctx\nQ: KEY-v0?\n(A) a (B) b (C) c (D) d<|end|><|assistant|>"
     assert gen.max_new_tokens == 128 and gen.temperature == 0.1
+    # a resume may not switch the option: the stored answers depend on it
+    with pytest.raises(ValueError, match="strip_thinking: was False, now True"):
+        run(env, FakeEngine(env.tok), tasks="v2", strip_thinking=True)
+    # --strip-thinking (opt-in): v1's answer is taken after the thinking block -> C, wrong: hard 0/1, overall 1/2
+    env.out = env.lb / "out_think"
+    report = run(env, FakeEngine(env.tok), tasks="v2", strip_thinking=True)
+    assert report["tasks"]["v2"] == {"overall": 50.0, "easy": 100.0, "hard": 0.0, "short": 50.0, "medium": None,
+                                     "long": None, "n": 2, "n_unextracted": 0, "n_empty_output": 1}  # fmt: skip
+
+
+def test_bad_input_budget(env):
+    with pytest.raises(ValueError, match="max_input_tokens must be >= 1, got 0"):
+        run(env, FakeEngine(env.tok), tasks="hotpotqa", max_input_tokens=0)

@@ -31,6 +31,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help="engine context (prompt + generated ids)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--device", default=None, help="reference backend: cpu | cuda")
+    p.add_argument("--strip-thinking", action="store_true",
+                   help="v2: remove <think>...</think> blocks before extracting the answer (for reasoning models; "
+                        "not in the official protocol, which extracts from the whole response)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_longbench)
 
@@ -49,7 +52,7 @@ def cmd_longbench(args) -> None:
         report = run_longbench(
             engine, tokenizer, data, longbench_dir, args.tasks, args.out, limit=args.limit, batch_size=args.batch_size,
             max_input_tokens=args.max_input_tokens, progress=not args.no_progress,
-            meta={"model": str(args.model), "backend": args.backend},
+            meta={"model": str(args.model), "backend": args.backend}, strip_thinking=args.strip_thinking,
         )  # fmt: skip
     except (ValueError, OSError) as exc:  # LongBench data/task/config errors, unreadable files
         print(f"minimax-m3 longbench: error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from ..engine import GenerationConfig, load_engine
+from .protocol import middle_truncate_v1
 
 
 def cut_at_stop(text: str, until) -> str:
@@ -30,11 +31,9 @@ def cut_at_stop(text: str, until) -> str:
 
 
 def middle_truncate(ids: list[int], budget: int) -> list[int]:
-    """Keep the first and last ``int(budget / 2)`` ids when over budget (LongBench v1's rule)."""
-    if len(ids) <= budget:
-        return ids
-    half = int(budget / 2)
-    return ids[:half] + ids[len(ids) - half :]
+    """LongBench v1's middle truncation (:func:`minimax_m3.eval.protocol.middle_truncate_v1`) as one id list."""
+    cut = middle_truncate_v1(ids, budget)
+    return list(ids) if cut is None else cut[0] + cut[1]
 
 
 @register_model("minimax-m3")

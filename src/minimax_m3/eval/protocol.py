@@ -87,17 +87,29 @@ def uses_chat_template(task: str) -> bool:
     return base_task(task) not in CHAT_SKIP
 
 
+def _check_budget(max_len: int) -> None:
+    if max_len < 1:
+        raise ValueError(f"the input budget must be at least 1 token, got {max_len}; raise --max-input-tokens")
+
+
 def middle_truncate_v1(ids: Sequence[int], max_len: int) -> tuple[list[int], list[int]] | None:
-    """v1 rule: if ``len(ids) > max_len`` keep the first and last ``int(max_len / 2)`` ids (an odd budget keeps
-    one id fewer). Returns (head, tail) to decode separately, or None when nothing needs cutting."""
+    """v1 rule: if ``len(ids) > max_len`` keep the first and last ``half = int(max_len / 2)`` ids (an odd budget
+    keeps one id fewer). Returns (head, tail) to decode separately, or None when nothing needs cutting.
+
+    The tail is pred.py's ``ids[-half:]``, so a budget of 1 (half = 0) keeps *every* id as the tail: the
+    official code then only drops the special tokens through its decode, it does not cut the prompt."""
+    _check_budget(max_len)
     if len(ids) <= max_len:
         return None
     half = int(max_len / 2)
-    return list(ids[:half]), list(ids[len(ids) - half :])
+    tail = list(ids[len(ids) - half :]) if half else list(ids)  # ids[-0:] is the whole list
+    return list(ids[:half]), tail
 
 
 def middle_truncate_v2(ids: Sequence[int], max_len: int) -> list[int]:
-    """v2 rule: ``ids[:max_len//2] + ids[-max_len//2:]`` (the tail gets the odd id, so exactly max_len stay)."""
+    """v2 rule: ``ids[:max_len//2] + ids[-max_len//2:]`` (floor division of the negated budget: the tail gets the
+    odd id, so exactly max_len stay; a budget of 1 keeps the last id only)."""
+    _check_budget(max_len)
     if len(ids) <= max_len:
         return list(ids)
     return list(ids[: max_len // 2]) + list(ids[-max_len // 2 :])
@@ -196,7 +208,9 @@ _ANSWER_BARE = re.compile(r"The correct answer is ([A-D])")
 
 
 def strip_thinking(response: str) -> str:
-    """Remove complete ``<think>...</think>`` blocks (reasoning models) before answer extraction."""
+    """Remove complete ``<think>...</think>`` blocks (reasoning models). Not part of the official protocol
+    (v2's pred.py extracts from the whole response): the runner applies it only with ``strip_thinking=True``
+    (``minimax-m3 longbench --strip-thinking``)."""
     return _THINK.sub("", response)
 
 

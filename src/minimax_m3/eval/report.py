@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from .metrics import sample_score
 from .protocol import CATEGORIES, E_TASKS, V1_TASKS, V2_TASK, base_task
 
@@ -21,7 +23,28 @@ def length_bucket(length: int) -> str:
 
 
 def _pct(values: Sequence[float], ndigits: int = 2) -> float | None:
-    return round(100 * sum(values) / len(values), ndigits) if values else None
+    """``round(100 * total / n, ndigits)`` with a plain running float total and Python's ``round``: how
+    LongBench's ``eval.py`` scores a v1 task and v2's ``result.py`` an accuracy (None for no samples).
+
+    The total is a left-to-right loop, not ``sum()``: from Python 3.12 ``sum()`` of floats is compensated and
+    can land on a neighbouring double, which flips a last digit that sits on a rounding boundary."""
+    if not values:
+        return None
+    total = 0.0
+    for v in values:
+        total += v
+    return round(100 * total / len(values), ndigits)
+
+
+def bucket_pct(values: Sequence[float]) -> float | None:
+    """A LongBench-E length bucket as ``eval.py``'s ``scorer_e`` computes it: numpy's mean (pairwise
+    summation) of the sample scores, times 100, rounded to 2 decimals by numpy (scale by 100, round half to
+    even, unscale), which is what ``round()`` does to the numpy float there. This differs from :func:`_pct` in
+    the last digit for some buckets (e.g. one 0.03 among 40 scores: 0.08 here, 0.07 with Python's round).
+    An empty bucket is None (eval.py writes NaN, which is not valid JSON)."""
+    if not values:
+        return None
+    return float(np.round(100 * np.mean(np.asarray(values, dtype=np.float64)), 2))
 
 
 def score_v1_task(task: str, records: Iterable[dict]) -> dict:
@@ -38,7 +61,7 @@ def score_v1_task(task: str, records: Iterable[dict]) -> dict:
         by_bucket[length_bucket(int(r["length"]))].append(s)
     out = {"metric": metric, "n": len(per_sample), "score": _pct(per_sample)}
     if task in E_TASKS:
-        out["buckets"] = {b: _pct(v) for b, v in by_bucket.items()}
+        out["buckets"] = {b: bucket_pct(v) for b, v in by_bucket.items()}
     return out
 
 
@@ -68,10 +91,16 @@ def language_averages(task_scores: dict[str, float], tasks: Sequence[str] | None
 def score_v2(records: Iterable[dict], compensated: bool = False) -> dict:
     """Accuracy x100 (1 decimal) overall and by difficulty and length label, as v2's result.py.
 
+    A record whose model output was the empty string (``empty_output``) is left out of every count: the
+    official pred.py writes no result line for it, so result.py never sees it (``n_empty_output`` counts them).
+    A whitespace-only output is not empty there and scores as an unextracted answer.
     ``compensated``: an unextractable answer counts 0.25 (off by default, as upstream)."""
     groups: dict[str, list[float]] = {k: [] for k in ("overall", "easy", "hard", "short", "medium", "long")}
-    n_none = 0
+    n_none = n_empty = 0
     for r in records:
+        if r.get("empty_output"):
+            n_empty += 1
+            continue
         n_none += r["pred"] is None
         acc = 0.25 if compensated and r["pred"] is None else float(r["pred"] == r["answer"])
         groups["overall"].append(acc)
@@ -81,6 +110,7 @@ def score_v2(records: Iterable[dict], compensated: bool = False) -> dict:
     out = {k: _pct(v, 1) for k, v in groups.items()}
     out["n"] = len(groups["overall"])
     out["n_unextracted"] = n_none
+    out["n_empty_output"] = n_empty
     return out
 
 
@@ -147,8 +177,9 @@ def render_markdown(report: dict) -> str:
     if V2_TASK in report["tasks"]:
         r = report["tasks"][V2_TASK]
         keys = ("overall", "easy", "hard", "short", "medium", "long")
-        lines += ["**LongBench v2** accuracy (%)", "", "| n | " + " | ".join(keys) + " | unextracted |", "|" + "---|" * 8]
-        lines.append(f"| {r['n']} | " + " | ".join(_fmt(r[k]) for k in keys) + f" | {r['n_unextracted']} |")
+        head = "| n | " + " | ".join(keys) + " | unextracted | empty output (not scored) |"
+        lines += ["**LongBench v2** accuracy (%)", "", head, "|" + "---|" * 9]
+        lines.append(f"| {r['n']} | " + " | ".join(_fmt(r[k]) for k in keys) + f" | {r['n_unextracted']} | {r['n_empty_output']} |")
         lines.append("")
     return "\n".join(lines)
 

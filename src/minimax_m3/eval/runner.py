@@ -116,17 +116,22 @@ def run_longbench(
     eos_token_ids: Sequence[int] | None = None,
     progress: bool = True,
     meta: dict | None = None,
+    strip_thinking: bool = False,
 ) -> dict:
     """Generate and score ``tasks`` ("all", "e", "v2" or a comma list); returns the report dict.
 
     ``max_input_tokens`` is the middle-truncation budget (pred.py's ``max_length``); by default
     ``engine.max_seq_len`` minus the largest max_gen of the chosen tasks, the chat wrapper and 16 ids.
+    ``strip_thinking``: drop ``<think>...</think>`` blocks from v2 responses before the answer is extracted
+    (not in the official protocol, hence off by default; for reasoning models).
     """
     task_list = resolve_tasks(tasks)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
+    if max_input_tokens is not None and max_input_tokens < 1:
+        raise ValueError(f"max_input_tokens must be >= 1, got {max_input_tokens}")
     out = Path(out_dir)
     v1 = [t for t in task_list if t != V2_TASK]
     prompts, maxlens = lbdata.load_v1_config(longbench_dir) if v1 else ({}, {})
@@ -148,6 +153,8 @@ def run_longbench(
             )
     eos = _eos_ids(engine, tokenizer, eos_token_ids)
     settings = {"max_input_tokens": max_input_tokens, "eos_token_ids": list(eos), **(meta or {})}
+    if V2_TASK in task_list:  # the stored v2 answers depend on it: a resumed run must not mix the two
+        settings["strip_thinking"] = bool(strip_thinking)
     _check_run_config(out, settings)
 
     stores = {t: PredictionStore(out / "pred" / f"{t}.jsonl") for t in task_list}
@@ -180,7 +187,7 @@ def run_longbench(
                     results = engine.generate(ids, gen)
                 for r, p, res in zip(batch, prep, results):
                     text = tokenizer.decode(res.tokens, skip_special_tokens=True)
-                    store.append(_record(task, r, p, res, text))
+                    store.append(_record(task, r, p, res, text, strip_thinking))
                     n_gen += len(res.tokens)
                     n_prompt += len(p.ids)
                 bar.update(len(batch))
@@ -206,14 +213,17 @@ def _select(records: list[dict], rows: list[dict]) -> list[dict]:
     return [by_id[r["_id"]] for r in rows if r["_id"] in by_id]
 
 
-def _record(task: str, row: dict, prep, res, text: str) -> dict:
+def _record(task: str, row: dict, prep, res, text: str, think: bool = False) -> dict:
     common = {"_id": row["_id"], "prompt_tokens": len(prep.ids), "raw_prompt_tokens": prep.raw_tokens,
               "truncated": prep.truncated, "gen_tokens": len(res.tokens), "finish_reason": res.finish_reason}  # fmt: skip
     if task == V2_TASK:
+        # pred.py writes no line for an empty output; it is kept here (so a resume does not redo it) but
+        # flagged, and the report leaves it out (report.score_v2).
         response = text.strip()
-        pred = extract_v2_answer(strip_thinking(response))
+        pred = extract_v2_answer(strip_thinking(response) if think else response)
         return {**common, "response": response, "pred": pred, "answer": row["answer"], "judge": pred == row["answer"],
-                "difficulty": row["difficulty"], "length": row["length"], "domain": row.get("domain")}  # fmt: skip
+                "difficulty": row["difficulty"], "length": row["length"], "domain": row.get("domain"),
+                "empty_output": text == ""}  # fmt: skip
     return {**common, "pred": text, "answers": row["answers"], "all_classes": row["all_classes"], "length": row["length"]}
 
 
