@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from . import storage
+from .checkpoint.reader import CheckpointError
 from .config import ConfigError
 from .engine import BACKENDS, EngineInputError, GenerationConfig, load_engine
 from .neuron import NeuronUnavailableError
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)
-    except (ConfigError, EngineInputError, FileNotFoundError, FileExistsError, storage.StorageError,
+    except (CheckpointError, ConfigError, EngineInputError, FileNotFoundError, FileExistsError, storage.StorageError,
             NeuronUnavailableError) as exc:
         print(f"minimax-m3 {args.command}: error: {exc}", file=sys.stderr)
         return 2

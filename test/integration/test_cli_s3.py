@@ -1,5 +1,6 @@
 """Commands take s3:// checkpoints and --upload s3:// destinations (moto's S3 server on loopback)."""
 
+import hashlib
 import json
 
 import pytest
@@ -10,6 +11,21 @@ from minimax_m3 import storage
 from minimax_m3.cli import main as cli
 from test.conftest import random_ids
 from test.unit.test_storage import bucket, s3_server  # noqa: F401  (fixtures: moto server + fresh bucket)
+
+MiB = 1 << 20
+
+
+def upload_with_aws_tools(src, bucket, prefix, skip=()):  # noqa: F811
+    """Like ``aws s3 cp --recursive``: boto3 ``upload_file`` per file, no manifest. Files over 1 MiB go
+    multipart (one part), so their ETags end in ``-1`` and are not MD5s; the small ones' are."""
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    s3, cfg = boto3.client("s3"), TransferConfig(multipart_threshold=MiB, multipart_chunksize=8 * MiB)
+    for p in sorted(src.rglob("*")):
+        if p.is_file() and p.name not in skip:
+            s3.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(src).as_posix()}", Config=cfg)
+    return {o["Key"]: o["ETag"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/")["Contents"]}
 
 
 def test_golden_from_s3_checkpoint_uploads_its_output(tiny_ckpt, bucket, tmp_path, capsys):  # noqa: F811
@@ -26,6 +42,32 @@ def test_golden_from_s3_checkpoint_uploads_its_output(tiny_ckpt, bucket, tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     back = storage.resolve(f"s3://{bucket}/golden/run1", tmp_path / "cache2", quiet=True)
     assert (back / "remote.safetensors").read_bytes() == remote.read_bytes()
+
+
+def test_golden_from_a_prefix_uploaded_without_this_package(tiny_ckpt, bucket, tmp_path):  # noqa: F811
+    etags = upload_with_aws_tools(tiny_ckpt, bucket, "aws-cp/tiny")
+    assert etags["aws-cp/tiny/model-00001-of-00002.safetensors"].endswith('-1"')
+    assert etags["aws-cp/tiny/config.json"] == f'"{hashlib.md5((tiny_ckpt / "config.json").read_bytes()).hexdigest()}"'
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": random_ids(40, seed=2)}) + "\n")
+    local, remote = tmp_path / "local.safetensors", tmp_path / "remote.safetensors"
+    common = ["--prompts", str(prompts), "--decode-steps", "4", "--device", "cpu"]
+    assert cli(["golden", "--model", str(tiny_ckpt), "--out", str(local), *common]) == 0
+    assert cli(["golden", "--model", f"s3://{bucket}/aws-cp/tiny", "--out", str(remote), *common,
+                "--cache-dir", str(tmp_path / "cache")]) == 0
+    a, b = load_file(local), load_file(remote)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prefix_missing_a_shard_is_refused_by_checkpoint_validation(tiny_ckpt, bucket, tmp_path, capsys):  # noqa: F811
+    upload_with_aws_tools(tiny_ckpt, bucket, "partial/tiny", skip={"model-00002-of-00002.safetensors"})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    rc = cli(["golden", "--model", f"s3://{bucket}/partial/tiny", "--prompts", str(prompts), "--device", "cpu",
+              "--out", str(tmp_path / "g.safetensors"), "--cache-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model-00002-of-00002.safetensors" in err and "Traceback" not in err, err
+    assert not (tmp_path / "g.safetensors").exists()
 
 
 def test_missing_s3_checkpoint_is_one_clear_error(bucket, tmp_path, capsys):  # noqa: F811
