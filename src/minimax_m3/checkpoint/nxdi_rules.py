@@ -4,8 +4,11 @@ Same ``Rule`` style as :mod:`.mapping`; the targets are the names NxDI/NxD modul
 their sources, NxDI 0.9 / NxD 0.18):
 
 * attention: ``self_attn.qkv_proj.{q,k,v}_proj.weight`` (``GroupQueryAttention_QKV``; or ``qkv_proj.Wqkv.weight``
-  with ``fused_qkv``), ``self_attn.o_proj.o_proj.weight`` (``GroupQueryAttention_O``); its preshard hooks
-  replicate K/V heads to the TP degree. Per-head norms ``self_attn.{q,k}_layernorm.weight``.
+  with ``fused_qkv``), ``self_attn.o_proj.o_proj.weight`` (``GroupQueryAttention_O``; the attention names it as
+  its ``o_proj_layer_name``, so the O hook's rename is an identity and NxD removes no key); the QKV preshard hook
+  replicates K/V heads to the TP degree. Per-head norms ``self_attn.{q,k}_layernorm.weight``.
+* every parameter of the NxDI model must be a target here: loading fails naming any that is not
+  (``NeuronMiniMaxM3Model.load_state_dict``; NxDI itself loads with ``strict=False``).
 * indexer (sparse layers): ``self_attn.index_{q,k}_proj.weight``, ``self_attn.index_{q,k}_norm.weight``
   (our modules; the index-q preshard hook replicates index heads exactly like K/V heads).
 * MoE (NxD ``MoE``/``RouterTopK``/``ExpertMLPsV2``): ``moe.router.linear_router.weight`` (fp32),

@@ -57,6 +57,10 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
             rotary_emb=PartialRope(c.rotary_dim, c.rope_theta), rms_norm_eps=c.rms_norm_eps, use_qk_norm=False,
             q_layernorm=GemmaNorm(c.head_dim, c.rms_norm_eps), k_layernorm=GemmaNorm(c.head_dim, c.rms_norm_eps),
             softmax_scale=c.head_dim**0.5,  # NxDI divides by it
+            # the converter writes the module's own key (``o_proj.o_proj.weight``): naming it as the "checkpoint
+            # layer" makes GroupQueryAttention_O's preshard rename an identity (default "o_proj" copies it one
+            # level deeper, a key NxD then removes as redundant)
+            o_proj_layer_name="o_proj.o_proj",
         )
         self.m3, self.layer_idx = c, layer_idx
         self.sparse = bool(c.sparse_layers[layer_idx])

@@ -10,7 +10,7 @@ from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalL
 from neuronx_distributed_inference.modules.generation.sampling import create_sampler
 from torch import nn
 
-from ..checkpoint import convert
+from ..checkpoint import CheckpointError, convert
 from ..checkpoint.nxdi_rules import fp32_targets
 from .attention import NeuronMiniMaxM3Attention
 from .config import MiniMaxM3InferenceConfig
@@ -53,6 +53,21 @@ class NeuronMiniMaxM3DecoderLayer(nn.Module):
         return (hidden_states + mlp_out, out.present_key_value, out.cos_cache, out.sin_cache, None)
 
 
+RULES = "minimax_m3/checkpoint/nxdi_rules.py"
+RUNTIME_STATE = ("kv_mgr.past_key_values.",)  # the caches: zeros from NxDI, never in a checkpoint
+
+
+def unfilled_parameters(module: nn.Module, keys) -> list[str]:
+    """Names of ``module``'s parameters and buffers that no key in ``keys`` fills, the caches excepted. A tensor
+    registered under several names (NxDI shares ``rank_util`` with the KV manager) is filled through any."""
+    names: dict[int, list[str]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+    keys = set(keys)
+    return sorted(ns[0] for ns in names.values()
+                  if keys.isdisjoint(ns) and not all(n.startswith(RUNTIME_STATE) for n in ns))
+
+
 class NeuronMiniMaxM3Model(NeuronBaseModel):
     def setup_attr_for_model(self, config: MiniMaxM3InferenceConfig):
         nc = config.neuron_config
@@ -79,6 +94,16 @@ class NeuronMiniMaxM3Model(NeuronBaseModel):
         self.lm_head = ColumnParallelLinear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype,
                                             gather_output=not self.on_device_sampling, pad=True,
                                             keep_padded_output=True)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """NxDI's CPU mode loads the sharded state dict with ``strict=False`` (after NxD's preshard hooks and
+        removal of keys the model lacks), which would leave any parameter the converter misnamed at its random
+        initialisation: every such parameter is named in one error first."""
+        missing = unfilled_parameters(self, state_dict.keys())
+        if missing:
+            raise CheckpointError([f"{k}: a parameter of the NxDI model that the converted state dict does not fill"
+                                   for k in missing], source=f"converted state dict (rule table: {RULES})")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def init_inference_optimization(self, config: MiniMaxM3InferenceConfig):
         """As NxDI's, with the index-K cache added to the aliased cache list."""
@@ -127,8 +152,10 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
         path = getattr(self.config, "_name_or_path", None) or self.model_path
         sd = self.get_state_dict(path, self.config)
         keep = fp32_targets(self.config.m3_config(), self.neuron_config.tp_degree)
-        bad = [k for k in keep if k in sd and sd[k].dtype != torch.float32]
-        assert not bad, f"fp32 keys were cast: {bad[:3]}"
+        bad = sorted(k for k in keep if k in sd and sd[k].dtype != torch.float32)
+        if bad:
+            raise CheckpointError([f"{k}: {sd[k].dtype}, must stay float32 (keep_fp32 in the rule table)"
+                                   for k in bad], source=f"converted state dict (rule table: {RULES})")
         return sd
 
     def get_compiler_args(self):
