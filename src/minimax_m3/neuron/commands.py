@@ -20,3 +20,6 @@ def register(subparsers) -> None:
                                               "generate and print TTFT/ITL; --synthetic for a TP=2 smoke check")
     add_args(p)
     p.set_defaults(func=_run)
+    from . import graphs  # protobuf + stdlib only: works without the Neuron SDK
+
+    graphs.register(subparsers)

@@ -8,12 +8,17 @@ is the unoptimised one NxD hands to neuronx-cc, so every figure is what the comp
   kernel elements / kernel output features``), classified by :data:`DOT_RULES` on the innermost Python frame of
   the op's debug metadata that is not inside torch / torch-xla. ``call`` computations are inlined (counted once
   per call site); a ``while`` body is counted once and said so.
-* **bytes read per parameter**: a parameter is followed through shape-only ops (:data:`VIEW_OPS`); a ``slice``
-  / ``dynamic-slice`` / ``gather`` reads its output size; being operand 0 of a ``dynamic-update-slice`` /
-  ``scatter`` reads nothing (the updated buffer is followed on); any other use reads the whole parameter.
-* **state copies**: a value that depends on a state, has at least ``copy_fraction`` of its elements, is not a
-  view or a partial read, is not on the in-place chain (updates and views) that ends at the state's aliased
-  output, and is not structurally identical to a chain instruction (XLA's CSE would merge it).
+* **bytes read per parameter**: a parameter is followed through shape-only ops (:data:`VIEW_OPS`, and
+  broadcasts that add no elements); a ``slice`` / ``dynamic-slice`` / ``gather`` reads its output size, or less
+  when its own users read only part of it (followed the same way: a bucket slice whose blocks are then
+  gathered reads the blocks); being operand 0 of a ``dynamic-update-slice`` / ``scatter`` reads nothing (the
+  updated buffer is followed on); any other use reads the whole buffer.
+* **state copies**: a value reached from a state through data-movement ops only (:data:`MOVE_OPS`), with at
+  least ``fraction`` of the state's elements (the bucket's share of the cache in token generation), that is
+  not a view, not a partial read smaller than the state, not on the in-place chain (updates and views) that
+  ends at the state's aliased output, and not structurally identical to a chain instruction (XLA's CSE would
+  merge it): e.g. a second scatter into the parameter, a ``copy``, a ``concatenate`` rebuilding the buffer,
+  a ``select`` over it.
 * **collectives** by kind and **custom calls** by target.
 """
 
@@ -27,6 +32,9 @@ from . import hlo_schema as hs
 VIEW_OPS = frozenset({"reshape", "bitcast", "transpose", "convert"})
 PART_READ_OPS = frozenset({"slice", "dynamic-slice", "gather"})
 UPDATE_OPS = frozenset({"dynamic-update-slice", "scatter"})
+# ops that move a state's data without computing on it: a state-sized result of these is a copy candidate
+MOVE_OPS = VIEW_OPS | PART_READ_OPS | UPDATE_OPS | frozenset({"broadcast", "concatenate", "pad", "select", "copy",
+                                                              "reverse", "tuple", "get-tuple-element"})
 COLLECTIVES = {"all-reduce": "all-reduce", "all-reduce-start": "all-reduce", "all-gather": "all-gather",
                "all-gather-start": "all-gather", "reduce-scatter": "reduce-scatter", "all-to-all": "all-to-all",
                "collective-permute": "collective-permute", "collective-permute-start": "collective-permute"}
@@ -202,6 +210,9 @@ def _structural_keys(mod: Module) -> dict[tuple, int]:
     keys: dict[tuple, int] = {}
     for n in mod.nodes:
         ins = mod.get(n)
+        if _is_noop(mod, n):
+            keys[n] = keys[mod.operands[n][0]]
+            continue
         bare = hs.HloInstructionProto()
         bare.CopyFrom(ins)
         for f in ("name", "id", "operand_ids", "metadata", "called_computation_ids", "frontend_attributes"):
@@ -213,10 +224,25 @@ def _structural_keys(mod: Module) -> dict[tuple, int]:
     return keys
 
 
-def _is_view(mod: Module, node) -> bool:
-    """Shape-only: :data:`VIEW_OPS`, or a ``broadcast`` that adds no elements (torch-xla emits them)."""
+def _is_noop(mod: Module, node) -> bool:
+    """An op XLA's simplifier removes: same dims and type as its operand (a full slice, a reshape, broadcast,
+    convert or identity transpose to the same shape)."""
     ins = mod.get(node)
-    if ins.opcode in VIEW_OPS:
+    if ins.opcode not in ("slice", "reshape", "broadcast", "convert", "bitcast", "transpose"):
+        return False
+    ops = mod.operands.get(node, ())
+    if not ops:
+        return False
+    src = mod.shape_of(ops[0])
+    same = list(src.dimensions) == list(ins.shape.dimensions) and src.element_type == ins.shape.element_type
+    return same and (ins.opcode != "transpose" or list(ins.dimensions) == sorted(ins.dimensions))
+
+
+def _is_view(mod: Module, node) -> bool:
+    """Shape-only: :data:`VIEW_OPS`, a ``broadcast`` that adds no elements (torch-xla emits them), a full
+    slice."""
+    ins = mod.get(node)
+    if ins.opcode in VIEW_OPS or _is_noop(mod, node):
         return True
     ops = mod.operands.get(node, ())
     return ins.opcode == "broadcast" and len(ops) == 1 and numel(ins.shape) == numel(mod.shape_of(ops[0]))
@@ -235,15 +261,20 @@ def _chain(mod: Module, state_node, out_node) -> set:
 
 
 def _reads(mod: Module, node, full: int, elem_bytes: int, seen: set) -> int:
+    """Bytes of ``node``'s buffer (``full`` bytes) its users read. A partial read (slice, gather) is followed
+    on: it reads what its own users read of it, at most its size."""
     total = 0
     for user, k in mod.users.get(node, ()):
         op = mod.get(user).opcode
+        if user in seen:
+            continue
         if _is_view(mod, user) or (op in UPDATE_OPS and k == 0):
-            if user not in seen:
-                seen.add(user)
-                total += _reads(mod, user, full, elem_bytes, seen)
+            seen.add(user)
+            total += _reads(mod, user, full, elem_bytes, seen)
         elif op in PART_READ_OPS and k == 0:
-            total += numel(mod.shape_of(user)) * elem_bytes
+            seen.add(user)
+            part = numel(mod.shape_of(user)) * elem_bytes
+            total += min(part, _reads(mod, user, part, elem_bytes, seen))
         elif user == mod.root and op == "tuple":
             continue  # returned (aliased output): written, not read
         else:
@@ -303,7 +334,7 @@ def analyze_module(module, states: dict[int, float] | None = None, read_params=N
         elem = nbytes(shape) // max(1, numel(shape))
         reads[p] = _reads(mod, node, nbytes(shape), elem, set())
 
-    copies = _state_copies(mod, states, shapes) if states else {}
+    copy_ops = _state_copies(mod, states, shapes) if states else {}
     return {
         "instructions": sum(len(c.instructions) for c in module.computations),
         "entry_instructions": len(mod.entry.instructions),
@@ -313,7 +344,8 @@ def analyze_module(module, states: dict[int, float] | None = None, read_params=N
         "collectives": sorted(coll.values(), key=lambda e: (e["kind"], e["dtype"], e["group_size"] or 0)),
         "param_bytes": {p: nbytes(mod.shape_of(mod.params[p])) for p in mod.params},
         "reads": reads,
-        "copies": copies,
+        "copies": {p: len(c) for p, c in copy_ops.items()},
+        "copy_ops": copy_ops,
         "aliases": aliases(module),
         "notes": sorted(set(notes)),
     }
@@ -336,7 +368,8 @@ def aliases(module) -> dict[int, int]:
     return out
 
 
-def _state_copies(mod: Module, states: dict[int, float], shapes) -> dict[int, int]:
+def _state_copies(mod: Module, states: dict[int, float], shapes) -> dict[int, list[str]]:
+    """parameter number -> the copies found (``opcode dtype[dims] file:line``)."""
     alias = aliases(mod.m)
     root = mod.get(mod.root)
     keys: dict = {}
@@ -356,10 +389,10 @@ def _state_copies(mod: Module, states: dict[int, float], shapes) -> dict[int, in
         derived, stack = set(), [node]
         while stack:
             for user, _ in mod.users.get(stack.pop(), ()):
-                if user not in derived:
+                if user not in derived and mod.get(user).opcode in MOVE_OPS:
                     derived.add(user)
                     stack.append(user)
-        count = 0
+        found = []
         for n in sorted(derived, key=order.get):
             ins = mod.get(n)
             if n in chain or n == mod.root or _is_view(mod, n) or ins.opcode == "tuple":
@@ -373,6 +406,8 @@ def _state_copies(mod: Module, states: dict[int, float], shapes) -> dict[int, in
                 chain_keys = {keys[c] for c in chain if c in keys}
             if keys[n] in chain_keys:
                 continue  # identical to the in-place update: CSE merges it
-            count += 1
-        out[p] = count
+            frames = mod.frames(ins)
+            where = f"{frames[0][0].rsplit('/', 1)[-1]}:{frames[0][2]}" if frames else ""
+            found.append(f"{ins.opcode} {dtype_name(ins.shape)}{list(ins.shape.dimensions)} {where}".rstrip())
+        out[p] = found
     return out

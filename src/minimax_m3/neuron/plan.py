@@ -150,6 +150,77 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
                 int(reserve_gib * GIB), int(hbm_gib * GIB), tuple(notes))
 
 
+def _causal_keys(s: int, cap: int) -> int:
+    """Sum over query positions 0..s-1 of the keys each attends to, ``min(i + 1, cap)``."""
+    if s <= cap:
+        return s * (s + 1) // 2
+    return cap * (cap + 1) // 2 + (s - cap) * cap
+
+
+def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weights: str = "bf16",
+                         kv_dtype: str = "bf16", dtype_bytes: int = BF16) -> dict[str, int]:
+    """Bytes one token-generation step over caches of ``bucket`` tokens must read per rank.
+
+    * weights: every per-rank weight of :func:`weight_bytes`, except the embedding (``batch`` rows of this
+      rank's vocabulary shard) and the routed experts (a rank touches at most ``batch x top_k`` of its
+      ``num_experts / ep`` local experts);
+    * sparse layers' K/V: the selected blocks, ``batch x min(topk x block, bucket) x kv_heads x head_dim x 2``;
+    * index-K: ``batch x bucket x index_head_dim`` per sparse layer;
+    * dense layers' K/V: ``batch x bucket x kv_heads x head_dim x 2`` per dense layer.
+
+    ``dtype_bytes`` is the model's element size (4 for a float32 trace): it scales every bf16 weight and, with
+    ``kv_dtype="bf16"``, the caches (fp32 routers and fp8 experts keep their size).
+    """
+    _, parts = weight_bytes(c, tp, ep, weights)
+    for name in parts:
+        if name != "routers (fp32)" and not (name == "routed experts" and weights == "fp8"):
+            parts[name] = parts[name] * dtype_bytes // BF16
+    vocab_rank = -(-c.vocab_size // tp)
+    local = c.num_experts // ep
+    parts["embedding + lm_head"] = (vocab_rank + min(batch, vocab_rank)) * c.hidden_size * dtype_bytes
+    parts["routed experts"] = parts["routed experts"] * min(local, batch * c.top_k) // local
+    kvb = dtype_bytes if kv_dtype == "bf16" else 1
+    kv = _heads_per_rank(c.num_kv_heads, tp, "KV heads")
+    n_sparse = sum(c.sparse_layers)
+    per_token_kv = kv * c.head_dim * 2 * kvb
+    return {
+        "weights": sum(parts.values()),
+        "kv_sparse": batch * min(c.index_topk * c.index_block_size, bucket) * per_token_kv * n_sparse,
+        "index_k": batch * bucket * c.index_head_dim * kvb * n_sparse,
+        "kv_dense": batch * bucket * per_token_kv * (c.num_layers - n_sparse),
+    }
+
+
+def prefill_flops(c: M3Config, tp: int, ep: int, batch: int, seq: int) -> dict[str, int]:
+    """Useful dot FLOPs of one context-encoding pass of ``batch x seq`` tokens, per rank.
+
+    * attention: sparse layers ``sum_i min(i + 1, topk x block)`` keys per query, dense layers every causal
+      key, ``x head_dim x 4`` (scores and values) per query head of this rank;
+    * indexer: all keys, ``seq^2 x index_head_dim x 2`` per index head of this rank and sparse layer;
+    * routed experts: ``tokens x top_k x 6 x hidden x intermediate`` shared by the ``tp`` ranks that hold the
+      experts (``ep`` expert groups x ``tp / ep`` shards; = "/ EP ranks" at tp = ep);
+    * rest: this rank's projections (q, k, v, o; index q and k), dense MLP and shared-expert shards, the fp32
+      router (every rank), and the LM head for the last token of each sequence.
+    """
+    h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
+    q = _heads_per_rank(c.num_heads, tp, "query heads")
+    kv = _heads_per_rank(c.num_kv_heads, tp, "KV heads")
+    iq = _heads_per_rank(c.index_heads, tp, "index heads")
+    n_sparse, n_moe = sum(c.sparse_layers), sum(c.moe_layers)
+    t = batch * seq
+    keys = n_sparse * _causal_keys(seq, c.index_topk * c.index_block_size) + (c.num_layers - n_sparse) * (
+        _causal_keys(seq, seq))
+    per_token = (c.num_layers * 2 * h * (2 * q + 2 * kv) * d + n_sparse * 2 * h * (iq + 1) * di
+                 + (c.num_layers - n_moe) * 6 * h * c.dense_intermediate_size // tp
+                 + n_moe * (6 * h * c.shared_intermediate_size // tp + 2 * h * c.num_experts))
+    return {
+        "attention": batch * q * d * 4 * keys,
+        "indexer": batch * iq * seq * seq * di * 2 * n_sparse,
+        "routed_experts": t * c.top_k * 6 * h * c.intermediate_size * n_moe // tp,
+        "rest": t * per_token + batch * 2 * h * (-(-c.vocab_size // tp)),
+    }
+
+
 def format_plan(p: Plan, c: M3Config, parts: dict[str, int] | None = None) -> str:
     gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
     lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={p.tp // p.ep}), batch={p.batch}, seq={p.seq}, "

@@ -1,0 +1,270 @@
+"""``minimax-m3 graphs DIR [DIR2 ...]``: the per-rank cost report of the graphs ``compile --dry-run`` wrote.
+
+A dry-run directory holds ``dry_run.json`` (layout, model config, and per submodel x bucket the HLO module's
+path and its parameters' roles) and the modules. For every graph this prints, per rank, what the module
+computes (dot FLOPs by class), reads per step (weights, and the dense layers' K/V, sparse layers' K/V and
+index-K caches), copies (full-size state copies) and reduces (collectives), next to the analytic minimum of
+:mod:`minimax_m3.neuron.plan` for the same shapes, and refreshes ``DIR/graphs.json`` with the same figures.
+How each figure is counted: :mod:`minimax_m3.neuron.hlo_cost`. Needs protobuf and the standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from dataclasses import fields
+from pathlib import Path
+
+from .._storage_base import write_atomic
+from ..config import ConfigError, M3Config
+from . import hlo_cost, hlo_schema, plan
+
+MANIFEST = "dry_run.json"
+REPORT = "graphs.json"
+SUBMODELS = ("context_encoding_model", "token_generation_model")
+STATE_KINDS = ("kv_dense", "kv_sparse", "index_k")
+_CACHE_NAME = re.compile(r"past_key_values\.(\d+)$")
+
+
+class GraphsError(ValueError):
+    """A directory that is not a readable dry run (says what was expected)."""
+
+
+def _expected(path: Path, why: str) -> GraphsError:
+    return GraphsError(f"{path}: {why}; expected a directory with {MANIFEST} and the HLO modules it lists, as "
+                       f"`minimax-m3 compile --dry-run --compiled DIR` writes it")
+
+
+def load_manifest(path: str | Path) -> tuple[Path, dict, M3Config]:
+    root = Path(path)
+    f = root / MANIFEST
+    if not f.is_file():
+        raise _expected(root, f"no {MANIFEST}")
+    try:
+        man = json.loads(f.read_text())
+    except json.JSONDecodeError as exc:
+        raise _expected(root, f"{MANIFEST} is not valid JSON ({exc})") from None
+    problems = []
+    if not isinstance(man, dict):
+        raise _expected(root, f"{MANIFEST} is not a JSON object")
+    if man.get("format") != 1:
+        problems.append(f"format {man.get('format')!r} (this reader knows format 1)")
+    layout = man.get("layout")
+    if not isinstance(layout, dict) or not all(isinstance(layout.get(k), int) for k in ("tp", "ep")):
+        problems.append("layout.tp / layout.ep missing")
+    graphs = man.get("graphs")
+    if not isinstance(graphs, list) or not graphs:
+        problems.append("no graphs listed")
+    else:
+        for i, g in enumerate(graphs):
+            if not isinstance(g, dict) or g.get("submodel") not in SUBMODELS or not isinstance(
+                    g.get("bucket"), int) or not isinstance(g.get("hlo"), str):
+                problems.append(f"graphs[{i}] needs submodel ({' | '.join(SUBMODELS)}), bucket and hlo")
+            elif not (root / g["hlo"]).is_file():
+                problems.append(f"graphs[{i}]: module {g['hlo']} is missing")
+    try:
+        known = {f.name for f in fields(M3Config)}
+        raw = {k: tuple(v) if isinstance(v, list) else v for k, v in (man.get("model") or {}).items() if k in known}
+        cfg = M3Config(**raw)
+    except (ConfigError, TypeError) as exc:
+        problems.append(f"model config unreadable ({exc})")
+        cfg = None
+    if problems:
+        raise _expected(root, f"{MANIFEST} has {len(problems)} problem(s): " + "; ".join(problems))
+    return root, man, cfg
+
+
+def _roles(g: dict, params: dict, aliased: dict) -> tuple[dict[int, tuple[str, str]], bool]:
+    """parameter number -> (role, name); inferred from the aliases when the manifest has no ``params``."""
+    listed = g.get("params")
+    if listed:
+        return {int(p["number"]): (p.get("role", "weight"), p.get("name", "")) for p in listed}, False
+    states = set(aliased)
+    first_state = min(states) if states else None
+    out = {}
+    for p in params:
+        role = "state" if p in states else ("input" if first_state is not None and p < first_state else "weight")
+        out[p] = (role, f"p{p}")
+    return out, True
+
+
+def _state_kind(name: str, ordinal: int, rank: int, cfg: M3Config) -> str:
+    """K/V of a dense or sparse layer, or an index-K cache (NxDI's order: 2L K/V entries, then index-K)."""
+    m = _CACHE_NAME.search(name)
+    n = int(m.group(1)) if m else ordinal
+    if n >= 2 * cfg.num_layers or rank == 3:
+        return "index_k"
+    return "kv_sparse" if cfg.sparse_layers[n // 2] else "kv_dense"
+
+
+def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
+    data = (root / g["hlo"]).read_bytes()
+    module = hlo_schema.parse_module(data)
+    params, aliases = hlo_cost.entry_parameters(module), hlo_cost.aliases(module)
+    roles, inferred = _roles(g, params, aliases)
+    bucket, max_len = g["bucket"], man.get("max_length") or g["bucket"]
+    fraction = min(1.0, bucket / max_len)
+    states = {p: fraction for p, (role, _) in roles.items() if role == "state"}
+    a = hlo_cost.analyze_module(module, states=states)
+    reads = dict.fromkeys(("weights",) + STATE_KINDS, 0)
+    copies = dict.fromkeys(STATE_KINDS, 0)
+    ordinal, notes, copy_ops = 0, list(a["notes"]), []
+    for p in sorted(roles):
+        role, name = roles[p]
+        if role == "weight":
+            reads["weights"] += a["reads"].get(p, 0)
+        elif role == "state" and p in params:
+            kind = _state_kind(name, ordinal, len(params[p].dimensions), cfg)
+            ordinal += 1
+            reads[kind] += a["reads"].get(p, 0)
+            copies[kind] += a["copies"].get(p, 0)
+            copy_ops += a["copy_ops"].get(p, [])
+    notes += [f"state copies: {n} x {op}" for op, n in Counter(copy_ops).items()]
+    if inferred:
+        notes.append("parameter roles inferred (no params in dry_run.json): aliased = state, numbered before "
+                     "the first state = input, the rest = weight")
+    unaliased = [roles[p][1] for p in states if p not in aliases]
+    if unaliased:
+        notes.append(f"state(s) not aliased to an output: {', '.join(unaliased)}")
+    return {
+        "submodel": g["submodel"], "bucket": bucket, "batch": g.get("batch", man.get("batch_size", 1)),
+        "hlo": g["hlo"], "command": g.get("command"),
+        "instructions": a["instructions"], "entry_instructions": a["entry_instructions"],
+        "flops": a["flops"], "bytes_read": reads, "state_copies": copies,
+        "collectives": a["collectives"], "custom_calls": a["custom_calls"],
+        "uncounted_custom_calls": a["uncounted_custom_calls"], "notes": notes,
+    }
+
+
+def analytic(cfg: M3Config, man: dict, g: dict) -> dict:
+    """The planner's minimum for the same shapes (empty when the layout cannot be planned)."""
+    tp, ep = man["layout"]["tp"], man["layout"]["ep"]
+    batch = g.get("batch", man.get("batch_size", 1))
+    size = 4 if str(man.get("dtype", "bfloat16")) in ("float32", "torch.float32") else 2
+    try:
+        if g["submodel"] == "token_generation_model":
+            return {"bytes_read": plan.decode_minimum_bytes(cfg, tp, ep, batch, g["bucket"], dtype_bytes=size)}
+        return {"flops": plan.prefill_flops(cfg, tp, ep, batch, g["bucket"])}
+    except plan.PlanError as exc:
+        return {"error": str(exc)}
+
+
+def analyze_dir(path: str | Path, write: bool = False) -> dict:
+    """Every graph of a dry-run directory with its analytic minimum; ``write`` refreshes ``graphs.json``."""
+    root, man, cfg = load_manifest(path)
+    graphs = []
+    for g in sorted(man["graphs"], key=lambda g: (g["submodel"], g["bucket"], g.get("batch", 1))):
+        entry = analyze_graph(root, man, g, cfg)
+        entry["analytic"] = analytic(cfg, man, g)
+        graphs.append(entry)
+    out = {"format": 1, "dir": str(root), "port": man.get("port", root.name), "layout": man["layout"],
+           "dtype": man.get("dtype"), "batch_size": man.get("batch_size"), "max_length": man.get("max_length"),
+           "graphs": graphs}
+    if write:
+        write_atomic(root / REPORT, (json.dumps(out, indent=1) + "\n").encode())
+    return out
+
+
+# ---- the table ------------------------------------------------------------------------------------
+def _si(n: float | None, unit: str) -> str:
+    if n is None:
+        return "-"
+    for div, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.3g} {prefix}{unit}"
+    return f"{n:g} {unit}".rstrip()
+
+
+def _rows(g: dict) -> list[tuple[str, float | None, float | None, str]]:
+    """(label, graph value, analytic value, unit) for one graph."""
+    an = g["analytic"]
+    rows = [("HLO instructions (all)", g["instructions"], None, ""),
+            ("HLO instructions (entry)", g["entry_instructions"], None, "")]
+    af = an.get("flops", {})
+    for cls in hlo_cost.DOT_CLASSES:
+        rows.append((f"dot FLOPs {cls.replace('_', ' ')}", g["flops"][cls], af.get(cls), "FLOP"))
+    rows.append(("dot FLOPs total", sum(g["flops"].values()), sum(af.values()) if af else None, "FLOP"))
+    ab = an.get("bytes_read", {})
+    for key, label in (("weights", "weights"), ("kv_dense", "K/V dense layers"),
+                       ("kv_sparse", "K/V sparse layers"), ("index_k", "index-K")):
+        rows.append((f"bytes read: {label}", g["bytes_read"][key], ab.get(key), "B"))
+    for key in STATE_KINDS:
+        rows.append((f"state copies: {key.replace('_', ' ')}", g["state_copies"][key], 0 if ab else None, ""))
+    for c in g["collectives"]:
+        name = f"{c['kind']} {c['dtype']} x{c['group_size'] or 'all'}"
+        rows.append((f"{name}: count", c["count"], None, ""))
+        rows.append((f"{name}: bytes", c["bytes"], None, "B"))
+    for target, n in g["custom_calls"].items():
+        flag = " (uncounted)" if target in g["uncounted_custom_calls"] else ""
+        rows.append((f"custom call {target}{flag}", n, None, ""))
+    return rows
+
+
+def _ratio(v, ref) -> str:
+    if v is None or not ref:
+        return "-"
+    r = v / ref
+    return f"{r:.2f}" + ("" if 0.9 <= r <= 1.1 else " !")
+
+
+def format_report(reports: list[dict]) -> str:
+    """One table per submodel x bucket x batch; one column per directory, then the analytic minimum (from the
+    first directory's config) and each directory's ratio to it (``!`` beyond 10 %)."""
+    names = [r["port"] for r in reports]
+    if len(set(names)) < len(names):
+        names = [f"{r['port']} ({Path(r['dir']).name})" for r in reports]
+    keys = []
+    for r in reports:
+        keys += [k for k in ((g["submodel"], g["bucket"], g["batch"]) for g in r["graphs"]) if k not in keys]
+    first = reports[0]
+    out = [f"per rank, layout {json.dumps(first['layout'])}, dtype {first['dtype']}, "
+           f"max_length {first['max_length']}"]
+    for key in keys:
+        per = [next((g for g in r["graphs"] if (g["submodel"], g["bucket"], g["batch"]) == key), None)
+               for r in reports]
+        ref = next(g for g in per if g is not None)
+        table: dict[str, list] = {}
+        for i, g in enumerate(per):
+            for label, val, an, unit in _rows(g) if g else []:
+                row = table.setdefault(label, [None] * len(per) + [None, unit])
+                row[i] = val
+                if g is ref:
+                    row[len(per)] = an
+        head = ["", *names, "analytic", *[f"{n}/analytic" for n in names]]
+        lines = [head]
+        for label, row in table.items():
+            vals, an, unit = row[:len(per)], row[len(per)], row[-1]
+            lines.append([label, *[_si(v, unit) for v in vals], _si(an, unit), *[_ratio(v, an) for v in vals]])
+        widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+        out.append(f"\n== {key[0]}  bucket {key[1]}  batch {key[2]} ==")
+        out += ["  ".join(str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in
+                          enumerate(zip(line, widths))).rstrip() for line in lines]
+        for name, g in zip(names, per):
+            for note in (g or {}).get("notes", []):
+                out.append(f"note ({name}): {note}")
+            if g and "error" in g["analytic"]:
+                out.append(f"note ({name}): no analytic minimum: {g['analytic']['error']}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        reports = [analyze_dir(d, write=True) for d in args.dirs]
+    except GraphsError as exc:
+        print(f"minimax-m3 graphs: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(reports if len(reports) > 1 else reports[0], indent=1) if args.json
+          else format_report(reports))
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("graphs", help="per-rank cost report of the HLO graphs `compile --dry-run` wrote "
+                                             "(no Neuron SDK needed)", description=__doc__.split("\n\n")[0])
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="dry-run directories (two: ports side by side)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
+    p.set_defaults(func=run)
+    return p
