@@ -251,6 +251,125 @@ def test_collectives_custom_calls_calls_and_loops():
     assert a["reads"][0] == 6 * 64 and a["reads"][1] == 2 * 8 * 3 * 2
 
 
+# ---- the analytic minimum ------------------------------------------------------------------------------------
+TINY = M3Config.preset("tiny")  # h 128, 4 layers (1 dense + 3 sparse MoE), 8 q / 2 KV / 2 index heads, d 32
+
+
+def test_decode_minimum_bytes_by_hand():
+    got = plan.decode_minimum_bytes(TINY, tp=2, ep=2, batch=1, bucket=64)
+    # per rank at TP=2: 4 q heads, 1 KV head, 1 index head; vocab 512 -> 256 rows; 4 local experts, moe_tp 1
+    embedding = (256 + 1) * 128 * 2  # the LM head shard + the one embedding row the token reads
+    attention = 4 * (2 * 4 * 32 * 128 + 2 * 1 * 32 * 128 + 2 * 32) * 2
+    indexer = 3 * (2 * 32 * 128 + 2 * 32) * 2
+    norms = 9 * 128 * 2
+    dense = 3 * 128 * 128 * 2
+    shared = 3 * 3 * 128 * 32 * 2
+    routers = 3 * (8 * 128 + 8) * 4
+    experts = 3 * 4 * 3 * 128 * 64 * 2 * 2 // 4  # batch 1 x top-2 touches 2 of the 4 local experts
+    assert got == {
+        "weights": embedding + attention + indexer + norms + dense + shared + routers + experts,
+        "kv_sparse": 1 * 32 * (1 * 32 * 2 * 2) * 3,  # top-2 blocks of 16 tokens, K and V, 3 sparse layers
+        "index_k": 1 * 64 * 32 * 2 * 3,
+        "kv_dense": 1 * 64 * (1 * 32 * 2 * 2) * 1,
+    }
+    f32 = plan.decode_minimum_bytes(TINY, tp=2, ep=2, batch=1, bucket=64, dtype_bytes=4)
+    assert f32["weights"] == 2 * (got["weights"] - routers) + routers and f32["index_k"] == 2 * got["index_k"]
+    # a bucket shorter than top-k x block caps the selected blocks
+    assert plan.decode_minimum_bytes(TINY, 2, 2, 1, 16)["kv_sparse"] == 16 * 128 * 3
+
+
+def test_prefill_flops_by_hand():
+    got = plan.prefill_flops(TINY, tp=2, ep=2, batch=1, seq=64)
+    # keys per query: sparse layers min(i + 1, 32) summed over 64 queries = 528 + 32 * 32; dense 64 * 65 / 2
+    keys = 3 * (528 + 1024) + 1 * 2080
+    per_token = (4 * 2 * 128 * (2 * 4 + 2 * 1) * 32  # q, k, v, o projections of this rank
+                 + 3 * 2 * 128 * (1 + 1) * 32  # index q (1 head) and index k, sparse layers
+                 + 1 * 6 * 128 * 256 // 2 + 3 * (6 * 128 * 64 // 2 + 2 * 128 * 8))  # dense MLP, shared, router
+    assert got == {
+        "attention": 1 * 4 * 32 * 4 * keys,
+        "indexer": 1 * 1 * 64 * 64 * 32 * 2 * 3,
+        "routed_experts": 64 * 2 * 6 * 128 * 64 * 3 // 2,
+        "rest": 64 * per_token + 2 * 128 * 256,
+    }
+
+
+# ---- a dry-run directory and the command ---------------------------------------------------------------------
+def _dry_dir(root: Path, lowered: Path, port: str, tg_module: str, params: bool = True) -> Path:
+    (root / "hlo").mkdir(parents=True)
+    graphs_ = []
+    for submodel, name, bucket, cache_name in (("token_generation_model", tg_module, 8, "kv_mgr.past_key_values.2"),
+                                               ("context_encoding_model", "concat_write", 16,
+                                                "kv_mgr.past_key_values.8")):
+        (root / "hlo" / f"{name}.hlo").write_bytes((lowered / f"{name}.hlo").read_bytes())
+        m, ids = _module(lowered, name)
+        numbers = sorted(hlo_cost.entry_parameters(m))
+        entry = {"submodel": submodel, "bucket": bucket, "batch": 1, "hlo": f"hlo/{name}.hlo", "command": None}
+        if params:
+            entry["params"] = [{"number": n, "role": "state" if n == ids[0] else "input",
+                                "name": cache_name if n == ids[0] else f"in{n}"} for n in numbers]
+        graphs_.append(entry)
+    man = {"format": 1, "port": port, "layout": {"tp": 2, "ep": 2, "lnc": 1, "world_size": 2, "rank": 0},
+           "dtype": "float32", "batch_size": 1, "max_length": 16,
+           "model": {k: list(v) if isinstance(v, tuple) else v for k, v in TINY.__dict__.items()}, "graphs": graphs_}
+    (root / "dry_run.json").write_text(json.dumps(man))
+    return root
+
+
+def test_analyze_dir_sorts_states_and_writes_graphs_json(lowered, tmp_path):
+    d = _dry_dir(tmp_path / "ours", lowered, "minimax-m3", "window_write")
+    rep = graphs.analyze_dir(d, write=True)
+    assert json.loads((d / "graphs.json").read_text()) == json.loads(json.dumps(rep))
+    tg, cte = (next(g for g in rep["graphs"] if g["submodel"] == s) for s in graphs.SUBMODELS[::-1])
+    # past_key_values.2 = K of layer 1, a sparse layer of the tiny model: the clone-then-write of the 8-token
+    # bucket is one copy of the bucket; attention reads the 8 slots: 1*2*8*4 floats
+    assert tg["bytes_read"] == {"weights": 0, "kv_dense": 0, "kv_sparse": 256, "index_k": 0}
+    assert tg["state_copies"] == {"kv_dense": 0, "kv_sparse": 1, "index_k": 0}
+    # past_key_values.8 = the first index-K cache (after 2 x 4 K/V): rebuilt by a concatenate
+    assert cte["bytes_read"]["index_k"] == 8 * 4 * 4 and cte["state_copies"]["index_k"] == 1
+    assert tg["analytic"]["bytes_read"] == plan.decode_minimum_bytes(TINY, 2, 2, 1, 8, dtype_bytes=4)
+    assert cte["analytic"]["flops"] == plan.prefill_flops(TINY, 2, 2, 1, 16)
+    assert any("state copies: 1 x scatter f32[1, 2, 8, 4]" in n for n in tg["notes"])
+
+
+def test_two_ports_side_by_side_and_inferred_roles(lowered, tmp_path, capsys):
+    from minimax_m3.cli import main
+
+    ours = _dry_dir(tmp_path / "ours", lowered, "minimax-m3", "window_write")
+    theirs = _dry_dir(tmp_path / "theirs", lowered, "contrib", "inplace", params=False)
+    assert main(["graphs", str(ours), str(theirs)]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "analytic" in line)
+    assert header.split() == ["minimax-m3", "contrib", "analytic", "minimax-m3/analytic", "contrib/analytic"]
+    tg = out.split("== token_generation_model  bucket 8  batch 1 ==")[1]
+    row = next(line for line in tg.splitlines() if line.startswith("state copies: kv sparse"))
+    assert row.split()[-5:-3] == ["1", "0"]  # window_write copies the bucket, the in-place write does not
+    assert "parameter roles inferred" in out
+    assert (theirs / "graphs.json").is_file()
+    assert main(["graphs", "--json", str(theirs)]) == 0
+    assert json.loads(capsys.readouterr().out)["port"] == "contrib"
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "no_module", "bad_json"])
+def test_bad_directories_one_clear_error(tmp_path, capsys, case):
+    from minimax_m3.cli import main
+
+    d = tmp_path / "d"
+    if case != "missing":
+        d.mkdir()
+    if case == "no_module":
+        (d / "dry_run.json").write_text(json.dumps({"format": 1, "layout": {"tp": 1, "ep": 1}, "model": {},
+                                                    "graphs": [{"submodel": "token_generation_model", "bucket": 8,
+                                                                "hlo": "hlo/x.hlo"}]}))
+    if case == "bad_json":
+        (d / "dry_run.json").write_text("{")
+    assert main(["graphs", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("minimax-m3 graphs: error:") and "Traceback" not in err
+    assert "dry_run.json" in err and "minimax-m3 compile --dry-run --compiled DIR" in err
+    if case == "no_module":
+        assert "hlo/x.hlo is missing" in err and "model config missing" in err
+
+
 if __name__ == "__main__":
     _lower_all(Path(sys.argv[1]))
     sys.exit(0)

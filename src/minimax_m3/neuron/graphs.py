@@ -65,9 +65,12 @@ def load_manifest(path: str | Path) -> tuple[Path, dict, M3Config]:
                 problems.append(f"graphs[{i}] needs submodel ({' | '.join(SUBMODELS)}), bucket and hlo")
             elif not (root / g["hlo"]).is_file():
                 problems.append(f"graphs[{i}]: module {g['hlo']} is missing")
+    model = man.get("model")
+    if not isinstance(model, dict) or not model:
+        problems.append("model config missing (the M3Config fields of the traced model)")
     try:
         known = {f.name for f in fields(M3Config)}
-        raw = {k: tuple(v) if isinstance(v, list) else v for k, v in (man.get("model") or {}).items() if k in known}
+        raw = {k: tuple(v) if isinstance(v, list) else v for k, v in (model or {}).items() if k in known}
         cfg = M3Config(**raw)
     except (ConfigError, TypeError) as exc:
         problems.append(f"model config unreadable ({exc})")
