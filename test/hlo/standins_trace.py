@@ -151,11 +151,13 @@ def generate_hlo(func, example_inputs, input_output_aliases, inline_weights_to_n
         moved = _to_device(func, dev)
         input_output_aliases = {moved.get(id(k), k): v for k, v in input_output_aliases.items()}
     inputs = [t.to(dev) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-    with torch.no_grad():
-        outputs = _flatten(func(*inputs))
-    ctx = torch_xla._XLAC.lowering.LoweringContext("SyncTensorsGraph")
-    ctx.build(outputs)
+    ctx, outputs, checks = _lower(func, inputs)
     module = hlo_schema.parse_module(ctx.hlo())
+    if PROBE_POSITIONS and _is_decode(inputs):
+        other = [(t + 3).to(dev) if isinstance(t, torch.Tensor) and not t.is_floating_point() else i
+                 for t, i in zip(example_inputs, inputs)]
+        checks["same_graph_at_other_positions"] = (
+            _fingerprint(module) == _fingerprint(hlo_schema.parse_module(_lower(func, other)[0].hlo())))
 
     order: list[tuple[int, str, str, torch.Tensor]] = []  # (old parameter number, role, name, tensor)
     seen: set[int] = set()
@@ -210,8 +212,47 @@ def generate_hlo(func, example_inputs, input_output_aliases, inline_weights_to_n
         pid = ctx.tensor_parameter_id(state)
         if pid >= 0:
             meta.output_aliases_to[out_idx] = renumber[pid]
-    return HloArtifacts(hlo_module=module, flattener=_Flattener(), metaneff=meta, constant_parameter_tensors=constants,
-                        weight_name_to_idx=weight_name_to_idx)
+    artifacts = HloArtifacts(hlo_module=module, flattener=_Flattener(), metaneff=meta,
+                             constant_parameter_tensors=constants, weight_name_to_idx=weight_name_to_idx)
+    artifacts.trace_checks = checks
+    return artifacts
+
+
+PROBE_POSITIONS = os.environ.get("HLO_PROBE_POSITIONS", "1") == "1"
+
+
+def _is_decode(inputs) -> bool:
+    return isinstance(inputs[0], torch.Tensor) and inputs[0].dim() == 2 and inputs[0].shape[1] == 1
+
+
+def _lower(func, inputs):
+    """Run ``func`` on the XLA device and lower its outputs; also what the trace needed from the host: aten ops
+    that fell back to the CPU and device-to-host transfers (a value read during tracing)."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    before = {n: met.counter_value(n) for n in met.counter_names()}
+    reads = (met.metric_data("TransferFromDeviceTime") or (0,))[0]
+    with torch.no_grad():
+        outputs = _flatten(func(*inputs))
+    fallbacks = sorted(n for n in met.counter_names()
+                       if n.startswith("aten::") and met.counter_value(n) > before.get(n, 0))
+    host_reads = (met.metric_data("TransferFromDeviceTime") or (0,))[0] - reads
+    ctx = torch_xla._XLAC.lowering.LoweringContext("SyncTensorsGraph")
+    ctx.build(outputs)
+    return ctx, outputs, {"cpu_fallback_ops": fallbacks, "host_reads": host_reads}
+
+
+def _fingerprint(module) -> bytes:
+    """The module without debug metadata and names (they differ between traces of the same graph)."""
+    m = type(module)()
+    m.CopyFrom(module)
+    m.ClearField("stack_frame_index")
+    m.ClearField("name")
+    for c in m.computations:
+        for i in c.instructions:
+            i.ClearField("metadata")
+    return m.SerializeToString(deterministic=True)
 
 
 def _renumber_entry(module, renumber: dict[int, int]) -> None:

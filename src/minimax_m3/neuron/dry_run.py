@@ -105,7 +105,9 @@ def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> P
             graphs.append({"submodel": key, "bucket": bucket, "batch": batch, "hlo": str(rel),
                            "command": str(command.relative_to(out)) if command.is_file() and _under(command, out)
                            else (str(command) if command.is_file() else None),
-                           "compiler_args": artifacts.compiler_args, "params": params})
+                           "compiler_args": artifacts.compiler_args, "params": params,
+                           # what the tracer saw (CPU fallbacks, host reads, position probe), where it reports it
+                           "trace_checks": getattr(hlo, "trace_checks", None)})
     manifest = {
         "format": 1, "port": port,
         "layout": {"tp": nc.tp_degree, "ep": getattr(nc, "moe_ep_degree", 1), "lnc": nc.logical_nc_config,

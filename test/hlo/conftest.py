@@ -1,0 +1,103 @@
+"""The graph harness: NxDI's own ``compile(dry_run=True)`` down to per-bucket HLO, traced in subprocesses.
+
+Needs the NxDI/NxD sources (``NXDI_SRC``/``NXD_SRC``) and an environment where NxDI imports (transformers 4.57: run it
+through ``scripts/test_neuron_offdevice.sh``); without the sources every test here is skipped with one line.
+
+The three shapes of issue 13, each traced once per session by ``python -m test.hlo.dry_run`` (``minimax-m3 compile
+--dry-run`` with the stand-ins of ``standins_trace``):
+
+* ``dry_tiny``: the tiny synthetic checkpoint at TP=1, float32, 2 context-encoding + 2 token-generation buckets;
+* ``dry_narrow``: MiniMax-M3's head and expert counts (64 q / 4 KV / 4 index heads, 128 experts) at tiny widths,
+  TP=64 / EP=64 / LNC=2, rank 0's graphs;
+* ``dry_m3``: the real M3 widths with 4 layers (one dense, three sparse MoE) at TP=64 / EP=64 / LNC=2, bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test.neuron_cpu import standins
+
+REPO = Path(__file__).resolve().parents[2]
+REASON = standins.missing_reason()
+
+TINY = ["--tp", "1", "--ep", "1", "--lnc", "1", "--batch", "2", "--seq-len", "256", "--context-buckets", "128,256",
+        "--token-buckets", "128,256", "--dtype", "float32"]
+NARROW = ["--tp", "64", "--ep", "64", "--lnc", "2", "--batch", "1", "--seq-len", "1024", "--context-buckets",
+          "256,1024", "--token-buckets", "512,1024"]
+M3 = ["--tp", "64", "--ep", "64", "--lnc", "2", "--batch", "1", "--seq-len", "8192", "--context-buckets",
+      "2048,8192", "--token-buckets", "4096,8192"]
+
+
+@pytest.fixture(autouse=True)
+def _needs_sources():
+    if REASON:
+        pytest.skip(f"graph harness: {REASON}")
+
+
+def run_module(module: str, *args: str, timeout: int = 900) -> tuple[str, float]:
+    """``python -m module args`` in a fresh process of this interpreter; fails the test with its output on error."""
+    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("NXD_CPU_MODE", None)
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    if p.returncode:
+        pytest.fail(f"{module} {' '.join(args)} exited {p.returncode}:\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+    return p.stdout, time.perf_counter() - t0
+
+
+def dry_run(model: Path, out: Path, args: list[str]) -> Path:
+    stdout, seconds = run_module("test.hlo.dry_run", "--model", str(model), "--compiled", str(out), *args)
+    (out / "trace_seconds.txt").write_text(f"{seconds:.1f}\n")
+    return out
+
+
+def write_config(path: Path, config) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_release_dict()))
+    return path
+
+
+def m3_layers(n: int = 4):
+    from minimax_m3.config import M3Config
+
+    flags = (False,) + (True,) * (n - 1)
+    return M3Config().replace(num_layers=n, moe_layers=flags, sparse_layers=flags)
+
+
+@pytest.fixture(scope="session")
+def dry_tiny(tiny_ckpt, tmp_path_factory):
+    if REASON:
+        pytest.skip(REASON)
+    return dry_run(Path(tiny_ckpt), tmp_path_factory.mktemp("dry") / "tiny", TINY)
+
+
+@pytest.fixture(scope="session")
+def dry_narrow(tmp_path_factory):
+    if REASON:
+        pytest.skip(REASON)
+    from test.hlo._shard import narrow_config
+
+    model = write_config(tmp_path_factory.mktemp("cfg") / "narrow", narrow_config())
+    return dry_run(model, tmp_path_factory.mktemp("dry") / "narrow", NARROW)
+
+
+@pytest.fixture(scope="session")
+def dry_m3(tmp_path_factory):
+    if REASON:
+        pytest.skip(REASON)
+    model = write_config(tmp_path_factory.mktemp("cfg") / "m3w4", m3_layers(4))
+    return dry_run(model, tmp_path_factory.mktemp("dry") / "m3w4", M3)
+
+
+@pytest.fixture(scope="session", params=["tiny", "narrow", "m3"])
+def dry(request):
+    return request.getfixturevalue(f"dry_{request.param}")
