@@ -7,7 +7,7 @@ leaks into other tests) builds ``NeuronMiniMaxM3ForCausalLM`` with the trn2.48xl
 ``ModelBuilder.shard_checkpoint`` under ``mock_distributed(64)`` on the meta device, one process, writing
 ``tp{r}_sharded_checkpoint.safetensors`` for r = 0..63 exactly as NxDI's ``shard_weights`` does with
 ``save_sharded_checkpoint``. It also writes ``report.json``: the converter's keys as NxD received them, the keys
-NxD dropped as redundant, the expert-parallel meshes, the layout and the time taken.
+NxD dropped as redundant (its warning, parsed), the expert-parallel meshes, the layout and the time taken.
 
 NxD runs here *outside* NxDI's CPU mode (the stand-ins set ``NXD_CPU_MODE=1``; we unset it): in CPU mode NxD's
 ``initialize_model_parallel`` asks for gloo groups that ``mock_distributed`` cannot make, and on a trn2 host the
@@ -89,12 +89,10 @@ NXD_ONLY: dict[str, str] = {
         "each local expert: 0 on the gate half, 1 on the up half",
     "layers.{L}.moe.expert_mlps.mlp_op.down_proj.bias": "zeros from nxdi_rules, divided by moe_tp=1 by the hook: 0",
 }
-# written by NxD's own hooks into the full checkpoint, then dropped by preprocess_checkpoint as not in the model
-NXD_DROPPED = {
-    "layers.{L}.self_attn.o_proj.o_proj.o_proj.weight":
-        "GroupQueryAttention_O.preshard_hook's replace_prefixes matches '<layer>.self_attn.o_proj' inside the "
-        "already-NxDI key 'o_proj.o_proj.weight' and adds an alias one 'o_proj' deeper; NxD removes it",
-}
+# Keys NxD's preprocess_checkpoint drops as "redundant" (not in the model): none. Before af0c924 it dropped
+# ``layers.{L}.self_attn.o_proj.o_proj.o_proj.weight``, an alias GroupQueryAttention_O.preshard_hook's prefix rename
+# made one ``o_proj`` deeper; the attention now names ``o_proj.o_proj`` as its checkpoint layer (an identity rename).
+NXD_DROPPED: dict[str, str] = {}
 # keys the shard holds that the converter did not write (NxD's hooks create them)
 HOOK_CREATED = ("layers.{L}.moe.expert_mlps.spmd_rank.rank", "layers.{L}.moe.expert_mlps.spmd_rank.local_expert_indices")
 
