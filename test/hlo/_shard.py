@@ -94,7 +94,8 @@ NXD_ONLY: dict[str, str] = {
 # made one ``o_proj`` deeper; the attention now names ``o_proj.o_proj`` as its checkpoint layer (an identity rename).
 NXD_DROPPED: dict[str, str] = {}
 # keys the shard holds that the converter did not write (NxD's hooks create them)
-HOOK_CREATED = ("layers.{L}.moe.expert_mlps.spmd_rank.rank", "layers.{L}.moe.expert_mlps.spmd_rank.local_expert_indices")
+HOOK_CREATED = ("layers.{L}.moe.expert_mlps.spmd_rank.rank",
+                "layers.{L}.moe.expert_mlps.spmd_rank.local_expert_indices")
 
 
 def expand(template: str, num_layers: int) -> list[str]:
