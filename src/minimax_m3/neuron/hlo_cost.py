@@ -58,13 +58,10 @@ DOT_RULES: tuple[tuple[str, str | None, tuple[int, int] | None, str], ...] = (
     ("MiniMax-M3/src/modeling_minimax_m3.py", "forward", (239, 323), "indexer"),  # MiniMaxM3Indexer.forward
     ("MiniMax-M3/src/modeling_minimax_m3.py", "forward", (137, 146), "rest"),  # partial rotary embedding
 )
-# custom-call target -> FLOPs from its shapes (None: not a dot-like op, 0 FLOPs). Anything else is listed as
-# "uncounted" (an NKI kernel's FLOPs cannot be read from its shapes).
-KNOWN_CUSTOM_CALLS = {
-    "AwsNeuronRmsNorm": None, "AwsNeuronTopK": None, "ResizeNearest": None,
-    "AwsNeuronModuleMarkerStart-Forward": None, "AwsNeuronModuleMarkerEnd-Forward": None,
-    "AwsNeuronModuleMarkerStart-Backward": None, "AwsNeuronModuleMarkerEnd-Backward": None,
-}
+# custom-call targets known to do no dot work (norm, top-k, NxDI's layer markers): 0 FLOPs. Any other target is
+# listed as "uncounted" (an NKI kernel's FLOPs cannot be read from its shapes).
+KNOWN_CUSTOM_CALLS = frozenset({"AwsNeuronRmsNorm", "AwsNeuronTopK", "AwsNeuronArgMax",
+                                "AwsNeuronModuleMarkerStartForward", "AwsNeuronModuleMarkerEndForward"})
 
 
 class HloCostError(ValueError):
@@ -282,12 +279,9 @@ def _reads(mod: Module, node, full: int, elem_bytes: int, seen: set) -> int:
     return total
 
 
-def analyze_module(module, states: dict[int, float] | None = None, read_params=None) -> dict:
-    """Figures of one module.
-
-    ``states``: parameter number -> fraction of its elements a copy must reach to count (1.0 = full size;
-    a token-generation bucket shorter than the cache passes bucket / max_length). ``read_params``: parameter
-    numbers whose bytes read are reported (default: every parameter)."""
+def analyze_module(module, states: dict[int, float] | None = None) -> dict:
+    """Figures of one module. ``states``: parameter number -> fraction of its elements a copy must reach to
+    count (1.0 = full size; a token-generation bucket shorter than the cache passes bucket / max_length)."""
     mod = Module(module)
     states = states or {}
     shapes = {n: mod.shape_of(n) for n in mod.nodes}
@@ -324,12 +318,8 @@ def analyze_module(module, states: dict[int, float] | None = None, read_params=N
     if uncounted:
         notes.append("uncounted custom call(s) (FLOPs not known from shapes): " + ", ".join(uncounted))
 
-    params = read_params if read_params is not None else sorted(mod.params)
     reads = {}
-    for p in params:
-        node = mod.params.get(p)
-        if node is None:
-            continue
+    for p, node in sorted(mod.params.items()):
         shape = mod.shape_of(node)
         elem = nbytes(shape) // max(1, numel(shape))
         reads[p] = _reads(mod, node, nbytes(shape), elem, set())
@@ -342,7 +332,6 @@ def analyze_module(module, states: dict[int, float] | None = None, read_params=N
         "custom_calls": {t: c["count"] for t, c in sorted(custom.items())},
         "uncounted_custom_calls": uncounted,
         "collectives": sorted(coll.values(), key=lambda e: (e["kind"], e["dtype"], e["group_size"] or 0)),
-        "param_bytes": {p: nbytes(mod.shape_of(mod.params[p])) for p in mod.params},
         "reads": reads,
         "copies": {p: len(c) for p, c in copy_ops.items()},
         "copy_ops": copy_ops,
