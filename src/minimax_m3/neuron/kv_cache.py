@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager
+from neuronx_distributed_inference.modules.kvcache.utils import fill_prefix
 from torch import nn
 
 from .. import ops
@@ -61,9 +62,8 @@ class M3KVCacheManager(KVCacheManager):
         for layer in self.sparse_layers:
             cache = self.index_k_cache(layer)
             new = new_key_values[layer][2]  # [B, S_active, D]
-            if is_for_context_encoding:  # slots 0..S-1, like NxDI's fill_prefix for K/V
-                s = new.shape[1]
-                cache = torch.cat([new.to(cache.dtype), cache[:, s:]], dim=1)
+            if is_for_context_encoding:  # slots 0..S-1 written in place, as NxDI writes K/V
+                cache = fill_prefix(cache, new.to(cache.dtype))
             else:
                 cache = ops.write_positions(cache.clone(), new.to(cache.dtype), position_ids, seq_dim=1)
             updated.append(cache)
