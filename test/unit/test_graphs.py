@@ -324,8 +324,10 @@ def test_analyze_dir_sorts_states_and_writes_graphs_json(lowered, tmp_path):
     # bucket is one copy of the bucket; attention reads the 8 slots: 1*2*8*4 floats
     assert tg["bytes_read"] == {"weights": 0, "kv_dense": 0, "kv_sparse": 256, "index_k": 0}
     assert tg["state_copies"] == {"kv_dense": 0, "kv_sparse": 1, "index_k": 0}
+    assert tg["state_copy_bytes"] == {"kv_dense": 0, "kv_sparse": 1 * 2 * 8 * 4 * 4, "index_k": 0}
     # past_key_values.8 = the first index-K cache (after 2 x 4 K/V): rebuilt by a concatenate
     assert cte["bytes_read"]["index_k"] == 8 * 4 * 4 and cte["state_copies"]["index_k"] == 1
+    assert cte["state_copy_bytes"]["index_k"] == 16 * 4 * 4
     assert tg["analytic"]["bytes_read"] == plan.decode_minimum_bytes(TINY, 2, 2, 1, 8, dtype_bytes=4)
     assert cte["analytic"]["flops"] == plan.prefill_flops(TINY, 2, 2, 1, 16)
     assert any("state copies: 1 x scatter f32[1, 2, 8, 4]" in n for n in tg["notes"])

@@ -113,7 +113,7 @@ def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
     states = {p: fraction for p, (role, _) in roles.items() if role == "state"}
     a = hlo_cost.analyze_module(module, states=states)
     reads = dict.fromkeys(("weights",) + STATE_KINDS, 0)
-    copies = dict.fromkeys(STATE_KINDS, 0)
+    copies, copy_bytes = dict.fromkeys(STATE_KINDS, 0), dict.fromkeys(STATE_KINDS, 0)
     ordinal, notes, copy_ops = 0, list(a["notes"]), []
     for p in sorted(roles):
         role, name = roles[p]
@@ -124,6 +124,7 @@ def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
             ordinal += 1
             reads[kind] += a["reads"].get(p, 0)
             copies[kind] += a["copies"].get(p, 0)
+            copy_bytes[kind] += a["copy_bytes"].get(p, 0)
             copy_ops += a["copy_ops"].get(p, [])
     notes += [f"state copies: {n} x {op}" for op, n in Counter(copy_ops).items()]
     if inferred:
@@ -136,7 +137,7 @@ def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
         "submodel": g["submodel"], "bucket": bucket, "batch": g.get("batch", man.get("batch_size", 1)),
         "hlo": g["hlo"], "command": g.get("command"),
         "instructions": a["instructions"], "entry_instructions": a["entry_instructions"],
-        "flops": a["flops"], "bytes_read": reads, "state_copies": copies,
+        "flops": a["flops"], "bytes_read": reads, "state_copies": copies, "state_copy_bytes": copy_bytes,
         "collectives": a["collectives"], "custom_calls": a["custom_calls"],
         "uncounted_custom_calls": a["uncounted_custom_calls"], "notes": notes,
     }
@@ -196,6 +197,7 @@ def _rows(g: dict) -> list[tuple[str, float | None, float | None, str]]:
         rows.append((f"bytes read: {label}", g["bytes_read"][key], ab.get(key), "B"))
     for key in STATE_KINDS:
         rows.append((f"state copies: {key.replace('_', ' ')}", g["state_copies"][key], 0 if ab else None, ""))
+    rows.append(("state copies: bytes written", sum(g["state_copy_bytes"].values()), 0 if ab else None, "B"))
     for c in g["collectives"]:
         name = f"{c['kind']} {c['dtype']} x{c['group_size'] or 'all'}"
         rows.append((f"{name}: count", c["count"], None, ""))

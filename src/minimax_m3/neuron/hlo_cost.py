@@ -334,7 +334,8 @@ def analyze_module(module, states: dict[int, float] | None = None) -> dict:
         "collectives": sorted(coll.values(), key=lambda e: (e["kind"], e["dtype"], e["group_size"] or 0)),
         "reads": reads,
         "copies": {p: len(c) for p, c in copy_ops.items()},
-        "copy_ops": copy_ops,
+        "copy_bytes": {p: sum(b for _, b in c) for p, c in copy_ops.items()},
+        "copy_ops": {p: [d for d, _ in c] for p, c in copy_ops.items()},
         "aliases": aliases(module),
         "notes": sorted(set(notes)),
     }
@@ -357,8 +358,8 @@ def aliases(module) -> dict[int, int]:
     return out
 
 
-def _state_copies(mod: Module, states: dict[int, float], shapes) -> dict[int, list[str]]:
-    """parameter number -> the copies found (``opcode dtype[dims] file:line``)."""
+def _state_copies(mod: Module, states: dict[int, float], shapes) -> dict[int, list[tuple[str, int]]]:
+    """parameter number -> the copies found: (``opcode dtype[dims] file:line``, bytes written)."""
     alias = aliases(mod.m)
     root = mod.get(mod.root)
     keys: dict = {}
@@ -397,6 +398,7 @@ def _state_copies(mod: Module, states: dict[int, float], shapes) -> dict[int, li
                 continue  # identical to the in-place update: CSE merges it
             frames = mod.frames(ins)
             where = f"{frames[0][0].rsplit('/', 1)[-1]}:{frames[0][2]}" if frames else ""
-            found.append(f"{ins.opcode} {dtype_name(ins.shape)}{list(ins.shape.dimensions)} {where}".rstrip())
+            found.append((f"{ins.opcode} {dtype_name(ins.shape)}{list(ins.shape.dimensions)} {where}".rstrip(),
+                          nbytes(ins.shape)))
         out[p] = found
     return out
