@@ -5,6 +5,9 @@ from .attention import (
     prefill_attention,
 )
 from .cache import write_positions
+from .decode import (
+    attend_prior_active, decode_dense_prior_active, decode_sparse_prior_active, select_blocks_prior_active,
+)
 from .indexer import block_keep_mask, index_block_scores, select_blocks, select_blocks_for_queries
 from .mlp import swiglu_mlp, swiglu_oai
 from .moe import combine_matrix, expert_ffn, moe_all_experts, route
@@ -13,9 +16,10 @@ from .rope import apply_rope, apply_rope_tables, rope_cos_sin, rope_inv_freq, ro
 from .sampling import filter_logits, sample
 
 __all__ = [
-    "apply_rope", "apply_rope_tables", "block_keep_mask", "causal_keep", "combine_matrix", "decode_attention_dense",
-    "decode_attention_sparse", "expert_ffn", "filter_logits", "gather_blocks", "index_block_scores",
-    "masked_attention", "moe_all_experts", "prefill_attention", "rms_norm", "rope_cos_sin", "rope_inv_freq",
-    "rope_tables", "route", "sample", "select_blocks", "select_blocks_for_queries", "swiglu_mlp", "swiglu_oai",
+    "apply_rope", "apply_rope_tables", "attend_prior_active", "block_keep_mask", "causal_keep", "combine_matrix",
+    "decode_attention_dense", "decode_attention_sparse", "decode_dense_prior_active", "decode_sparse_prior_active",
+    "expert_ffn", "filter_logits", "gather_blocks", "index_block_scores", "masked_attention", "moe_all_experts",
+    "prefill_attention", "rms_norm", "rope_cos_sin", "rope_inv_freq", "rope_tables", "route", "sample",
+    "select_blocks", "select_blocks_for_queries", "select_blocks_prior_active", "swiglu_mlp", "swiglu_oai",
     "write_positions",
 ]
