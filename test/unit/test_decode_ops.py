@@ -1,4 +1,4 @@
-"""Decode as prior cache + active token (``ops/decode.py``) against the existing formulas and a hand computation.
+"""Decode as prior cache + active token (the ``*_prior_active`` ops) against the existing formulas and by hand.
 
 Oracles: (1) a float64 softmax written out key by key; (2) the write-then-attend formulas the reference backend
 uses (``write_positions`` of the active token into a copy of the cache, then ``decode_attention_dense`` /

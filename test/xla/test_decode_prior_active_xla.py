@@ -1,4 +1,4 @@
-"""Static-graph proof of decode as prior cache + active token (``ops/decode.py``) on the XLA CPU device.
+"""Static-graph proof of decode as prior cache + active token (the ``*_prior_active`` ops) on the XLA CPU device.
 
 One decode step of a sparse layer (selection on the prior index keys plus the active index key, block gather,
 attention to the blocks and the active key) and of a dense layer: outputs equal the eager CPU run (float32,

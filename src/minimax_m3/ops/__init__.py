@@ -1,14 +1,13 @@
 """The model's math, once: pure, stateless, XLA-safe functions that both backends call."""
 
 from .attention import (
-    causal_keep, decode_attention_dense, decode_attention_sparse, gather_blocks, masked_attention,
-    prefill_attention,
+    attend_prior_active, causal_keep, decode_attention_dense, decode_attention_sparse, decode_dense_prior_active,
+    decode_sparse_prior_active, gather_blocks, masked_attention, prefill_attention,
 )
 from .cache import write_positions
-from .decode import (
-    attend_prior_active, decode_dense_prior_active, decode_sparse_prior_active, select_blocks_prior_active,
+from .indexer import (
+    block_keep_mask, index_block_scores, select_blocks, select_blocks_for_queries, select_blocks_prior_active,
 )
-from .indexer import block_keep_mask, index_block_scores, select_blocks, select_blocks_for_queries
 from .mlp import swiglu_mlp, swiglu_oai
 from .moe import combine_matrix, expert_ffn, moe_all_experts, route
 from .norm import rms_norm

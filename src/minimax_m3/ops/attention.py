@@ -1,4 +1,5 @@
-"""Attention over GQA groups with boolean keep masks (True = attend), prefill in query tiles and decode.
+"""Attention over GQA groups with boolean keep masks (True = attend), prefill in query tiles and decode (also as
+prior cache + active token).
 
 Queries ``[B, Hq, T, D]``, keys/values ``[B, Hkv, S, D]``; query head ``h`` belongs to KV group
 ``h // (Hq / Hkv)``. Masks are per KV group ``[B, G, T, S]`` or shared ``[B, 1, T, S]``. No tensor is ever
@@ -113,3 +114,59 @@ def decode_attention_sparse(
     first = torch.where(blocks >= 0, blocks * block_size, q_pos.view(b, 1, 1) + 1)
     key_pos = (first.unsqueeze(-1) + torch.arange(block_size, device=q.device)).view(b, g, 1, kk * block_size)
     return masked_attention(q, kg, vg, key_pos <= q_pos.view(b, 1, 1, 1), scale, sdpa)
+
+
+# ---- decode as the PRIOR cache plus the ACTIVE token (NxDI's token-generation decomposition) -------------
+# One new token per row at position p: the caches hold the prior tokens at slots 0..p-1 (slot p and beyond are
+# stale or empty and never read as keys); the active token's K/V arrive as tensors of their own. Nothing here
+# writes a cache: the caller's cache manager writes the active entries once, in place, after the step. Equal, up
+# to rounding, to writing the active token first and attending causally (decode_attention_dense / _sparse).
+
+
+def attend_prior_active(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, k_new: torch.Tensor,
+                        v_new: torch.Tensor, scale: float) -> torch.Tensor:
+    """One softmax over the prior keys ``k, v [B, Hkv, S, D]`` kept by ``keep [B, G|1, 1, S]`` and the active key
+    ``k_new, v_new [B, Hkv, 1, D]`` (always kept). Scores in the inputs' dtype, softmax in float32 (as
+    :func:`~minimax_m3.ops.attention.masked_attention`); the two parts share one running max and one denominator,
+    so no tensor concatenates the prior keys with the active one."""
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    r = hq // hkv
+    qg = q.reshape(b, hkv, r * t, d)
+    if r * t <= FEW_ROWS:  # decode-sized: keys on the left (see indexer.FEW_ROWS)
+        prior = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2)
+    else:
+        prior = torch.matmul(qg, k.transpose(-1, -2))
+    prior = (prior * scale).view(b, hkv, r, t, s).float().masked_fill(~keep.unsqueeze(2), float("-inf"))
+    active = (torch.matmul(qg, k_new.transpose(-1, -2)) * scale).view(b, hkv, r, t, 1).float()
+    top = torch.maximum(prior.amax(dim=-1, keepdim=True), active)  # finite: the active key is always kept
+    e_prior, e_active = torch.exp(prior - top), torch.exp(active - top)
+    denom = e_prior.sum(dim=-1, keepdim=True) + e_active
+    p_prior = (e_prior / denom).to(v.dtype).view(b, hkv, r * t, s)
+    p_active = (e_active / denom).to(v.dtype).view(b, hkv, r * t, 1)
+    out = torch.matmul(p_prior, v) + p_active * v_new
+    return out.view(b, hq, t, d)
+
+
+def decode_dense_prior_active(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
+                              v_new: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal decode over the whole prior cache: prior keys at slots ``< q_pos [B]``, plus the active key."""
+    s = k.shape[2]
+    keep = torch.arange(s, device=q.device).view(1, 1, 1, s) < q_pos.view(-1, 1, 1, 1)
+    return attend_prior_active(q, k, v, keep, k_new, v_new, scale)
+
+
+def decode_sparse_prior_active(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor,
+                               v_new: torch.Tensor, q_pos: torch.Tensor, blocks: torch.Tensor, block_size: int,
+                               scale: float) -> torch.Tensor:
+    """Sparse decode: each KV group reads only its selected blocks ``blocks [B, G, K]`` of the prior caches (``S``
+    a multiple of ``block_size``), keeps their slots ``< q_pos``, and attends to them and the active key."""
+    rows = block_rows(blocks, k.shape[2] // block_size)
+    kg = gather_blocks(k, blocks, block_size, rows)
+    vg = gather_blocks(v, blocks, block_size, rows)
+    b, g, kk = blocks.shape
+    # each gathered key's position; an empty (-1) slot starts at the query, so the strict rule drops it
+    first = torch.where(blocks >= 0, blocks * block_size, q_pos.view(b, 1, 1))
+    key_pos = (first.unsqueeze(-1) + torch.arange(block_size, device=q.device)).view(b, g, 1, kk * block_size)
+    return attend_prior_active(q, kg, vg, key_pos < q_pos.view(b, 1, 1, 1), k_new, v_new, scale)
+

@@ -77,3 +77,22 @@ def block_keep_mask(block_idx: torch.Tensor, num_keys: int, block_size: int) -> 
     sel = sel.scatter(-1, safe, True)[..., :nblk]
     keep = sel.unsqueeze(-1).expand(b, g, tq, nblk, block_size).reshape(b, g, tq, nblk * block_size)
     return keep[..., :num_keys]
+
+
+def select_blocks_prior_active(iq: torch.Tensor, ik: torch.Tensor, ik_new: torch.Tensor, q_pos: torch.Tensor,
+                               block_size: int, topk: int, init_blocks: int = 0,
+                               local_blocks: int = 1) -> torch.Tensor:
+    """Top-k blocks ``[B, G, K]`` for the index queries ``iq [B, G, 1, Di]`` at ``q_pos [B]``, from the prior index
+    keys ``ik [B, S, Di]`` (slots ``< q_pos``) and the active index key ``ik_new [B, 1, Di]``.
+
+    The block scores are those of the written cache: every block before the query's own is complete in the prior
+    cache, and the own block's max-pool takes the active score in (it is also forced in whenever
+    ``local_blocks >= 1``), so :func:`select_blocks` returns the same blocks."""
+    b, g = iq.shape[0], iq.shape[1]
+    q_pos = q_pos.view(b, 1)
+    scores = index_block_scores(iq, ik, q_pos - 1, block_size)  # [B, G, 1, nblk], keys t <= p - 1
+    active = torch.matmul(iq.float(), ik_new.float().view(b, 1, -1, 1))  # [B, G, 1, 1]
+    nblk = scores.shape[-1]
+    own = torch.arange(nblk, device=iq.device).view(1, 1, 1, nblk) == (q_pos // block_size).view(b, 1, 1, 1)
+    scores = torch.where(own, torch.maximum(scores, active), scores)
+    return select_blocks(scores, q_pos, block_size, topk, init_blocks, local_blocks).view(b, g, -1)
