@@ -10,16 +10,17 @@
   with boolean keep masks (True = attend); on sparse layers each tile's keep mask comes from the indexer's
   top-k blocks per (query, KV group). Memory O(tile × S) per rank; no NKI kernel is involved, so no mask is
   ever dropped. Causality comes from slot == position (right padding), not from NxDI's mask.
-* Decode (every layer): ``attention_tokengen`` → the new K/V/index-K are placed at their positions in copies
-  of the caches, then sparse layers score the cached index keys, take the top-k blocks and attend only to
-  those blocks gathered from the KV cache (``ops.select_blocks_for_queries``, ``ops.decode_attention_sparse``);
-  dense layers attend causally over the cache (``ops.decode_attention_dense``).
+* Decode (every layer): ``attention_tokengen`` attends to the bucket's PRIOR caches plus the ACTIVE token (NxDI's
+  decomposition; the caches are only read here and written once, in place, by the cache manager). Sparse layers
+  score the prior index keys and the active index key, take the top-k blocks and attend only to those blocks
+  gathered from the KV cache, plus the active key (``ops.select_blocks_prior_active``,
+  ``ops.decode_sparse_prior_active``); dense layers, and sparse layers whose bucket holds at most top-k blocks
+  (the indexer would select them all), attend causally over the prior cache (``ops.decode_dense_prior_active``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
 from neuronx_distributed_inference.modules.attention.attention_base import (
     FlashAttentionStrategy, NeuronAttentionBase, NeuronAttentionBaseOutput,
@@ -122,19 +123,15 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
     def attention_tokengen(self, Q, K, V, attention_mask, position_ids, past_key_value, active_mask, **kwargs):
         if position_ids.shape[-1] != 1:
             raise NotImplementedError("MiniMax-M3 decode takes one token per sequence (no speculation yet)")
-        bs = self.m3.index_block_size
-        kc, vc = past_key_value[0], past_key_value[1]
-        pad = (-kc.shape[2]) % bs  # decode pages the cache by whole blocks
-        if pad:
-            kc, vc = F.pad(kc, (0, 0, 0, pad)), F.pad(vc, (0, 0, 0, pad))
-        kc = ops.write_positions(kc.clone(), K.to(kc.dtype), position_ids, seq_dim=2)
-        vc = ops.write_positions(vc.clone(), V.to(vc.dtype), position_ids, seq_dim=2)
+        bs, topk = self.m3.index_block_size, self.m3.index_topk
+        kc, vc = past_key_value[0], past_key_value[1]  # the bucket's prior cache, read only
+        k_new, v_new = K.to(kc.dtype), V.to(vc.dtype)
         q_pos = position_ids[:, 0]
-        if not self.sparse:
-            return ops.decode_attention_dense(Q, kc, vc, q_pos, self.scale)
+        # a bucket of at most top-k blocks: the indexer selects every block up to the query's, i.e. dense causal
+        if not self.sparse or -(-kc.shape[2] // bs) <= topk:
+            return ops.decode_dense_prior_active(Q, kc, vc, k_new, v_new, q_pos, self.scale)
+        if kc.shape[2] % bs:  # validate_config keeps token-generation buckets block-aligned
+            raise ValueError(f"token-generation bucket {kc.shape[2]} is not a multiple of index_block_size {bs}")
         iq, ik, _, ikc = self._index
-        if pad:
-            ikc = F.pad(ikc, (0, 0, 0, pad))
-        ikc = ops.write_positions(ikc.clone(), ik.to(ikc.dtype), position_ids, seq_dim=1)
-        blocks = ops.select_blocks_for_queries(iq, ikc, position_ids, **self.sel)  # [B, G_local, 1, K]
-        return ops.decode_attention_sparse(Q, kc, vc, q_pos, blocks[:, :, 0], bs, self.scale)
+        blocks = ops.select_blocks_prior_active(iq, ikc, ik.to(ikc.dtype), q_pos, **self.sel)  # [B, G_local, K]
+        return ops.decode_sparse_prior_active(Q, kc, vc, k_new, v_new, q_pos, blocks, bs, self.scale)

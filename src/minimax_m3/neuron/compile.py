@@ -29,7 +29,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-ids", default="1,100,200,300,400", help="comma-separated token ids to generate from")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--token-buckets", default=None,
-                   help="comma-separated decode (token-generation) buckets; default: one bucket = --seq-len")
+                   help="comma-separated decode (token-generation) buckets, multiples of the indexer block size; "
+                        "default: block-aligned powers of two from 128 below --seq-len, and --seq-len (a step at "
+                        "context c reads the caches up to the smallest bucket >= c)")
     p.add_argument("--lnc", type=int, default=None, help="logical NeuronCore config (trn2: 2)")
     p.add_argument("--skip-compile", action="store_true", help="load an existing --compiled directory")
     p.add_argument("--dry-run", action="store_true",
@@ -62,7 +64,9 @@ def run(args) -> int:
     nc = build_neuron_config(
         tp_degree=tp, moe_ep_degree=ep, batch_size=args.batch, max_seq_len=args.seq_len,
         max_context_length=max(buckets), dtype=args.dtype, logical_nc_config=lnc, enable_bucketing=True,
-        context_encoding_buckets=buckets, token_generation_buckets=[args.seq_len],
+        context_encoding_buckets=buckets,
+        token_generation_buckets=_buckets(args.token_buckets, token_buckets(args.seq_len, _block_size(model)),
+                                          args.seq_len),
         save_sharded_checkpoint=True, attn_kernel_enabled=False,
     )
     config = MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(model))
@@ -95,13 +99,35 @@ def _buckets(text: str | None, default: list[int], seq_len: int) -> list[int]:
     return [b for b in default if b <= seq_len] or [seq_len]
 
 
+def token_buckets(seq_len: int, block_size: int) -> list[int]:
+    """The default decode buckets: ``block_size`` times powers of two from the first multiple of it >= 128 (NxDI's
+    own smallest token-generation bucket), those below ``seq_len``, and ``seq_len``. Every one is a multiple of the
+    indexer block when ``seq_len`` is (``validate_config`` says so otherwise)."""
+    out, b = [], block_size * -(-128 // block_size)
+    while b < seq_len:
+        out.append(b)
+        b *= 2
+    return out + [seq_len]
+
+
+def _block_size(model: str | None) -> int:
+    """The indexer block size of ``model``'s config.json (128, the release's, when it cannot be read: the layout
+    check then reports the missing config)."""
+    from ..config import ConfigError, M3Config
+
+    try:
+        return M3Config.from_pretrained(model).index_block_size if model else 128
+    except (ConfigError, OSError):
+        return 128
+
+
 def _dry_run(args) -> int:
     from . import dry_run
 
     tp, ep = args.tp or TRN2["tp_degree"], args.ep or TRN2["moe_ep_degree"]
     lnc = args.lnc or TRN2["logical_nc_config"]
     ctx = _buckets(args.context_buckets, DEFAULT_CONTEXT_BUCKETS, args.seq_len)
-    tkg = _buckets(args.token_buckets, [args.seq_len], args.seq_len)
+    tkg = _buckets(args.token_buckets, token_buckets(args.seq_len, _block_size(args.model)), args.seq_len)
     config = dry_run.check_layout(args.model, tp, ep, lnc, args.batch, args.seq_len, ctx, tkg)
     out = args.compiled or str(Path(args.model) / f"neuron-tp{tp}-ep{ep}-b{args.batch}-s{args.seq_len}-dry-run")
     from .config import MiniMaxM3InferenceConfig, load_m3_config

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig
+from neuronx_distributed_inference.modules.autobucketing import generate_buckets_for_tkg
 
 from ..config import M3Config
 
@@ -133,6 +134,11 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         if not (tp % g == 0 or g % tp == 0):
             problems.append(f"tp_degree {tp} and num_kv_heads {g}: one must divide the other "
                             "(each rank needs whole KV groups, one index head per KV head)")
+        tkg = [b[-1] if isinstance(b, list) else b for b in generate_buckets_for_tkg(self)]
+        if any(c.sparse_layers) and any(b % c.index_block_size for b in tkg):
+            problems.append(f"token-generation buckets {tkg} must be multiples of index_block_size "
+                            f"{c.index_block_size} (sparse decode reads the caches by whole blocks): choose such "
+                            "token_generation_buckets (--token-buckets) and max length (--seq-len)")
         if problems:
             raise ValueError("MiniMax-M3 NxDI config: " + "; ".join(problems))
 
