@@ -3,7 +3,7 @@
 import pytest
 
 from minimax_m3.config import M3Config
-from minimax_m3.neuron.plan import GIB, PlanError, main, plan, weight_bytes
+from minimax_m3.neuron.plan import GIB, PlanError, decode_minimum_bytes, main, plan, prefill_flops, weight_bytes
 
 M3 = M3Config.preset("m3")
 
@@ -92,3 +92,45 @@ def test_cli_exit_codes(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["--tp", "64", "--ep", "48", "--batch", "1", "--seq", "128"]) == 2
     assert GIB == 2 ** 30
+
+
+# ---- the analytic minimum of `minimax-m3 graphs` ------------------------------------------------------------
+TINY = M3Config.preset("tiny")  # h 128, 4 layers (1 dense + 3 sparse MoE), 8 q / 2 KV / 2 index heads, d 32
+
+
+def test_decode_minimum_bytes_by_hand():
+    got = decode_minimum_bytes(TINY, tp=2, ep=2, batch=1, bucket=64)
+    # per rank at TP=2: 4 q heads, 1 KV head, 1 index head; vocab 512 -> 256 rows; 4 local experts, moe_tp 1
+    embedding = (256 + 1) * 128 * 2  # the LM head shard + the one embedding row the token reads
+    attention = 4 * (2 * 4 * 32 * 128 + 2 * 1 * 32 * 128 + 2 * 32) * 2
+    indexer = 3 * (2 * 32 * 128 + 2 * 32) * 2
+    norms = 9 * 128 * 2
+    dense = 3 * 128 * 128 * 2
+    shared = 3 * 3 * 128 * 32 * 2
+    routers = 3 * (8 * 128 + 8) * 4
+    experts = 3 * 4 * 3 * 128 * 64 * 2 * 2 // 4  # batch 1 x top-2 touches 2 of the 4 local experts
+    assert got == {
+        "weights": embedding + attention + indexer + norms + dense + shared + routers + experts,
+        "kv_sparse": 1 * 32 * (1 * 32 * 2 * 2) * 3,  # top-2 blocks of 16 tokens, K and V, 3 sparse layers
+        "index_k": 1 * 64 * 32 * 2 * 3,
+        "kv_dense": 1 * 64 * (1 * 32 * 2 * 2) * 1,
+    }
+    f32 = decode_minimum_bytes(TINY, tp=2, ep=2, batch=1, bucket=64, dtype_bytes=4)
+    assert f32["weights"] == 2 * (got["weights"] - routers) + routers and f32["index_k"] == 2 * got["index_k"]
+    # a bucket shorter than top-k x block caps the selected blocks
+    assert decode_minimum_bytes(TINY, 2, 2, 1, 16)["kv_sparse"] == 16 * 128 * 3
+
+
+def test_prefill_flops_by_hand():
+    got = prefill_flops(TINY, tp=2, ep=2, batch=1, seq=64)
+    # keys per query: sparse layers min(i + 1, 32) summed over 64 queries = 528 + 32 * 32; dense 64 * 65 / 2
+    keys = 3 * (528 + 1024) + 1 * 2080
+    per_token = (4 * 2 * 128 * (2 * 4 + 2 * 1) * 32  # q, k, v, o projections of this rank
+                 + 3 * 2 * 128 * (1 + 1) * 32  # index q (1 head) and index k, sparse layers
+                 + 1 * 6 * 128 * 256 // 2 + 3 * (6 * 128 * 64 // 2 + 2 * 128 * 8))  # dense MLP, shared, router
+    assert got == {
+        "attention": 1 * 4 * 32 * 4 * keys,
+        "indexer": 1 * 1 * 64 * 64 * 32 * 2 * 3,
+        "routed_experts": 64 * 2 * 6 * 128 * 64 * 3 // 2,
+        "rest": 64 * per_token + 2 * 128 * 256,
+    }
