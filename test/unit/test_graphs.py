@@ -278,7 +278,9 @@ def _dry_dir(root: Path, lowered: Path, port: str, tg_module: str, params: bool 
 
 def test_analyze_dir_sorts_states_and_writes_graphs_json(lowered, tmp_path):
     d = _dry_dir(tmp_path / "ours", lowered, "minimax-m3", "window_write")
-    rep = graphs.analyze_dir(d, write=True)
+    graphs.analyze_dir(d, write=False)
+    assert not (d / "graphs.json").exists()
+    rep = graphs.analyze_dir(d)  # what compile --dry-run calls: refreshes graphs.json
     assert json.loads((d / "graphs.json").read_text()) == json.loads(json.dumps(rep))
     tg, cte = (next(g for g in rep["graphs"] if g["submodel"] == s) for s in graphs.SUBMODELS[::-1])
     # past_key_values.2 = K of layer 1, a sparse layer of the tiny model: the clone-then-write of the 8-token

@@ -156,8 +156,9 @@ def analytic(cfg: M3Config, man: dict, g: dict) -> dict:
         return {"error": str(exc)}
 
 
-def analyze_dir(path: str | Path, write: bool = False) -> dict:
-    """Every graph of a dry-run directory with its analytic minimum; ``write`` refreshes ``graphs.json``."""
+def analyze_dir(path: str | Path, write: bool = True) -> dict:
+    """Every graph of a dry-run directory with its analytic minimum; refreshes ``DIR/graphs.json`` with the same
+    figures unless ``write=False``."""
     root, man, cfg = load_manifest(path)
     graphs = []
     for g in sorted(man["graphs"], key=lambda g: (g["submodel"], g["bucket"], g.get("batch", 1))):
@@ -257,7 +258,7 @@ def format_report(reports: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        reports = [analyze_dir(d, write=True) for d in args.dirs]
+        reports = [analyze_dir(d) for d in args.dirs]
     except GraphsError as exc:
         print(f"minimax-m3 graphs: error: {exc}", file=sys.stderr)
         return 2
