@@ -246,6 +246,7 @@ def test_collectives_custom_calls_calls_and_loops():
     # two call sites of a 2*4*3*8 = 192 FLOP dot, and the while body's 2*2*2*2 = 16 counted once
     assert a["flops"]["rest"] == 2 * 192 + 16
     assert any("while" in n for n in a["notes"]) and any("uncounted" in n for n in a["notes"])
+    assert "3 dot(s) without debug metadata counted as rest (trace with XLA_IR_DEBUG=1 XLA_HLO_DEBUG=1)" in a["notes"]
     assert a["instructions"] == 3 + 3 + 2 + 13 and a["entry_instructions"] == 13  # add, callee, body, entry
     # p0 is read by 2 collectives, 2 call sites' dots and 2 custom calls: 6 x 64 bytes; p1 by two dots
     assert a["reads"][0] == 6 * 64 and a["reads"][1] == 2 * 8 * 3 * 2
@@ -314,7 +315,7 @@ def test_two_ports_side_by_side_and_inferred_roles(lowered, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["port"] == "contrib"
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "no_module", "bad_json"])
+@pytest.mark.parametrize("case", ["missing", "empty", "no_module", "bad_json", "bad_module"])
 def test_bad_directories_one_clear_error(tmp_path, capsys, case):
     from minimax_m3.cli import main
 
@@ -327,12 +328,20 @@ def test_bad_directories_one_clear_error(tmp_path, capsys, case):
                                                                 "hlo": "hlo/x.hlo"}]}))
     if case == "bad_json":
         (d / "dry_run.json").write_text("{")
+    if case == "bad_module":
+        (d / "x.hlo").write_bytes(b"\xff\xff\xff not a protobuf")
+        model = {k: list(v) if isinstance(v, tuple) else v for k, v in TINY.__dict__.items()}
+        (d / "dry_run.json").write_text(json.dumps({"format": 1, "layout": {"tp": 1, "ep": 1}, "model": model,
+                                                    "graphs": [{"submodel": "context_encoding_model", "bucket": 8,
+                                                                "hlo": "x.hlo"}]}))
     assert main(["graphs", str(d)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("minimax-m3 graphs: error:") and "Traceback" not in err
     assert "dry_run.json" in err and "minimax-m3 compile --dry-run --compiled DIR" in err
     if case == "no_module":
         assert "hlo/x.hlo is missing" in err and "model config missing" in err
+    if case == "bad_module":
+        assert "module x.hlo is not a readable HloModuleProto" in err
 
 
 if __name__ == "__main__":

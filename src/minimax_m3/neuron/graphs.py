@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import fields
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
+
 from .._storage_base import write_atomic
 from ..config import ConfigError, M3Config
 from . import hlo_cost, hlo_schema, plan
@@ -104,9 +106,11 @@ def _state_kind(name: str, ordinal: int, rank: int, cfg: M3Config) -> str:
 
 
 def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
-    data = (root / g["hlo"]).read_bytes()
-    module = hlo_schema.parse_module(data)
-    params, aliases = hlo_cost.entry_parameters(module), hlo_cost.aliases(module)
+    try:
+        module = hlo_schema.parse_module((root / g["hlo"]).read_bytes())
+        params, aliases = hlo_cost.entry_parameters(module), hlo_cost.aliases(module)
+    except (DecodeError, hlo_cost.HloCostError) as exc:
+        raise _expected(root, f"module {g['hlo']} is not a readable HloModuleProto ({exc})") from None
     roles, inferred = _roles(g, params, aliases)
     bucket, max_len = g["bucket"], man.get("max_length") or g["bucket"]
     fraction = min(1.0, bucket / max_len)

@@ -3,7 +3,6 @@
 Reads an ``xla.HloModuleProto`` through :mod:`hlo_schema` (protobuf only: no Neuron SDK, no torch). The module
 is the unoptimised one NxD hands to neuronx-cc, so every figure is what the compiler receives:
 
-* **instructions**: all computations, and the entry computation alone.
 * **dot FLOPs**: ``2 x prod(output dims) x prod(contracting dims)`` (``convolution``: ``2 x output elements x
   kernel elements / kernel output features``), classified by :data:`DOT_RULES` on the innermost Python frame of
   the op's debug metadata that is not inside torch / torch-xla. ``call`` computations are inlined (counted once
@@ -19,7 +18,7 @@ is the unoptimised one NxD hands to neuronx-cc, so every figure is what the comp
   ends at the state's aliased output, and not structurally identical to a chain instruction (XLA's CSE would
   merge it): e.g. a second scatter into the parameter, a ``copy``, a ``concatenate`` rebuilding the buffer,
   a ``select`` over it.
-* **collectives** by kind and **custom calls** by target.
+Also: instruction counts, collectives by kind, custom calls by target.
 """
 
 from __future__ import annotations
@@ -39,8 +38,7 @@ COLLECTIVES = {"all-reduce": "all-reduce", "all-reduce-start": "all-reduce", "al
                "all-gather-start": "all-gather", "reduce-scatter": "reduce-scatter", "all-to-all": "all-to-all",
                "collective-permute": "collective-permute", "collective-permute-start": "collective-permute"}
 DOT_CLASSES = ("attention", "indexer", "routed_experts", "rest")
-# Frames inside these packages are library plumbing (nn.Module calls, torch-xla wrappers): skipped when
-# looking for the frame that decides a dot's class.
+# library plumbing (nn.Module calls, torch-xla wrappers): skipped when looking for the deciding frame
 PASS_THROUGH = ("/torch/", "/torch_xla/", "/site-packages/torch/")
 # (path fragment, function name or None, (first, last) source line or None, class). The first row that matches
 # the deciding frame wins; no match -> "rest". Python records only a function's bare name (``forward``), so
@@ -55,8 +53,8 @@ DOT_RULES: tuple[tuple[str, str | None, tuple[int, int] | None, str], ...] = (
     ("neuronx_distributed_inference/modules/attention/attention_base.py", None, None, "attention"),
     ("neuronx_distributed_inference/modules/attention/utils.py", "neuron_scaled_dot_product_attention", None,
      "attention"),
-    ("MiniMax-M3/src/modeling_minimax_m3.py", "forward", (239, 323), "indexer"),  # MiniMaxM3Indexer.forward
-    ("MiniMax-M3/src/modeling_minimax_m3.py", "forward", (137, 146), "rest"),  # partial rotary embedding
+    ("/modeling_minimax_m3.py", "forward", (239, 323), "indexer"),  # MiniMaxM3Indexer.forward
+    ("/modeling_minimax_m3.py", "forward", (137, 146), "rest"),  # partial rotary embedding
 )
 # custom-call targets known to do no dot work (norm, top-k, NxDI's layer markers): 0 FLOPs. Any other target is
 # listed as "uncounted" (an NKI kernel's FLOPs cannot be read from its shapes).
@@ -288,7 +286,7 @@ def analyze_module(module, states: dict[int, float] | None = None) -> dict:
     flops = dict.fromkeys(DOT_CLASSES, 0)
     custom: dict[str, dict] = {}
     coll: dict[tuple, dict] = {}
-    notes = []
+    notes, bare = [], 0
     loose_shapes = {i.id: i.shape for c in mod.loose_comps for i in mod.comps[c].instructions}
     for node, ins in mod.all_instructions():
         op = ins.opcode
@@ -297,7 +295,9 @@ def analyze_module(module, states: dict[int, float] | None = None) -> dict:
                 op_shapes = [shapes[o] for o in mod.operands[node]]
             else:
                 op_shapes = [loose_shapes[o] for o in ins.operand_ids]
-            flops[classify(mod.frames(ins))] += dot_flops(ins, op_shapes)
+            frames = mod.frames(ins)
+            bare += not frames
+            flops[classify(frames)] += dot_flops(ins, op_shapes)
         elif op == "custom-call":
             c = custom.setdefault(ins.custom_call_target, {"count": 0, "counted": True})
             c["count"] += 1
@@ -314,6 +314,9 @@ def analyze_module(module, states: dict[int, float] | None = None) -> dict:
             e["bytes"] += opnd
         elif op == "while":
             notes.append("a while loop: its body is counted once (trip count not read)")
+    if bare:
+        notes.append(f"{bare} dot(s) without debug metadata counted as rest (trace with XLA_IR_DEBUG=1 "
+                     "XLA_HLO_DEBUG=1)")
     uncounted = sorted(t for t, c in custom.items() if not c["counted"])
     if uncounted:
         notes.append("uncounted custom call(s) (FLOPs not known from shapes): " + ", ".join(uncounted))
