@@ -38,7 +38,8 @@ def _app(ckpt, cls=None):
 
     kw = neuron_cpu_engine_kwargs(batch_size=1, max_seq_len=32, max_context_length=24)
     nc = build_neuron_config(on_cpu=True, **kw)
-    return (cls or NeuronMiniMaxM3ForCausalLM)(str(ckpt), MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(str(ckpt))))
+    config = MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(str(ckpt)))
+    return (cls or NeuronMiniMaxM3ForCausalLM)(str(ckpt), config)
 
 
 def _edited(edit):
