@@ -255,6 +255,20 @@ def test_collectives_custom_calls_calls_and_loops():
 TINY = M3Config.preset("tiny")  # h 128, 4 layers (1 dense + 3 sparse MoE), 8 q / 2 KV / 2 index heads, d 32
 
 
+def test_grouped_convolution_flops():
+    # conv1d: input [N=1, C=4, W=10], kernel [K=3, C/groups=2, O=6], 2 groups, output [1, 6, 8]: each output
+    # element sums 2 channels x 3 taps = 6 multiply-adds -> 48 x 6 x 2 = 576 FLOPs
+    m = hs.HloModuleProto(name="conv", entry_computation_id=1)
+    e = m.computations.add(name="entry", id=1, root_id=3)
+    e.instructions.add(name="x", opcode="parameter", id=1, parameter_number=0, shape=_shape("F32", [1, 4, 10]))
+    e.instructions.add(name="k", opcode="parameter", id=2, parameter_number=1, shape=_shape("F32", [3, 2, 6]))
+    conv = e.instructions.add(name="c", opcode="convolution", id=3, operand_ids=[1, 2], shape=_shape("F32", [1, 6, 8]),
+                              feature_group_count=2)
+    conv.convolution_dimension_numbers.kernel_output_feature_dimension = 2  # read from the wire, not defaulted
+    a = hlo_cost.analyze_module(hs.parse_module(m.SerializeToString()))
+    assert a["flops"]["rest"] == 576 and a["reads"] == {0: 1 * 4 * 10 * 4, 1: 6 * 2 * 3 * 4}
+
+
 # ---- a dry-run directory and the command ---------------------------------------------------------------------
 def _dry_dir(root: Path, lowered: Path, port: str, tg_module: str, params: bool = True) -> Path:
     (root / "hlo").mkdir(parents=True)
