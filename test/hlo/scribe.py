@@ -77,6 +77,9 @@ class Node:
     def scribe(self):
         return self.type.dtype.scribe
 
+    def CustomCall(self, *args, custom_call_target, **_):  # noqa: N802 (a value used as its own output type)
+        return Node("custom_call", self.type, args, target=custom_call_target)
+
 
 def _param(scribe, i, t):
     return Node("param", ShapeType(DType(scribe, _XLA[t.dtype]), tuple(t.shape)), (), index=i)

@@ -231,6 +231,7 @@ def _lower(func, inputs):
     import torch_xla
     import torch_xla.debug.metrics as met
 
+    _reset_collective_token()
     before = {n: met.counter_value(n) for n in met.counter_names()}
     reads = (met.metric_data("TransferFromDeviceTime") or (0,))[0]
     with torch.no_grad():
@@ -240,7 +241,18 @@ def _lower(func, inputs):
     host_reads = (met.metric_data("TransferFromDeviceTime") or (0,))[0] - reads
     ctx = torch_xla._XLAC.lowering.LoweringContext("SyncTensorsGraph")
     ctx.build(outputs)
+    _reset_collective_token()
     return ctx, outputs, {"cpu_fallback_ops": fallbacks, "host_reads": host_reads}
+
+
+def _reset_collective_token() -> None:
+    """torch-xla chains every collective through one per-device token tensor; left over from the previous bucket's
+    trace it would pull that whole graph into the next one (as a sync would reset it between steps)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    _, devctx = xm._get_all_reduce_token()
+    torch_xla._XLAC._set_all_reduce_token(devctx.device, None)
 
 
 def _fingerprint(module) -> bytes:

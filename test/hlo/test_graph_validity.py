@@ -71,6 +71,20 @@ def test_static_shapes_no_host_transfers_no_fallbacks(dry):
         assert checks["host_reads"] == 0, (g["hlo"], checks)
 
 
+def test_each_graph_holds_only_its_own_bucket(dry):
+    """Buckets of one submodel run the same layers: the same collectives, as many of each kind. (A trace that leaks
+    the previous bucket's graph, e.g. through torch-xla's collective token, doubles them.)"""
+    from collections import Counter
+
+    by_submodel: dict = {}
+    for g, module, _, _ in graphs(dry):
+        kinds = Counter(i.opcode for c in module.computations for i in c.instructions
+                        if i.opcode in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"))
+        by_submodel.setdefault(g["submodel"], []).append((g["bucket"], kinds))
+    for sub, rows in by_submodel.items():
+        assert len({tuple(sorted(k.items())) for _, k in rows}) == 1, (sub, rows)
+
+
 def test_custom_calls_only_from_the_allow_list(dry):
     for g, module, _, _ in graphs(dry):
         targets = {i.custom_call_target for c in module.computations for i in c.instructions
