@@ -4,7 +4,8 @@ Proves the graphs ``compile --dry-run`` wrote compute the model (not only that t
 for rank 0 exactly as it would for the NEFF (``ModelBuilder.shard_checkpoint``), each bucket is traced again in this
 process (the stand-ins' ``generate_hlo``: the module must be identical to the one on disk, debug metadata aside, and
 the trace gives the values of the constants the graph takes as parameters), then the modules run on torch-xla's CPU
-client: one context-encoding pass over the prompts (right-padded into the smallest bucket that holds them), then
+client: context encoding of the prompts (right-padded into the smallest bucket that holds them; one pass per
+prompt into its cache row when the graph's batch is 1, continuous batching), then
 greedy decode steps, each in the smallest token-generation bucket that holds the position, the caches carried from
 graph to graph through the aliased outputs. ``REQUEST.json``: ``{"prompts": [[ids], ...], "steps": N}``; writes
 ``{"step_logits": [B, N + 1, V], "tokens": [B, N + 1]}`` (float32) to ``OUT.pt``.
@@ -23,9 +24,9 @@ import torch
 from . import standins_trace
 
 
-def _inputs(ids, pos, batch):
+def _inputs(ids, pos, batch, first_row=0):
     """NxDI's positional model inputs: input_ids, attention_mask, position_ids, seq_ids, sampling_params."""
-    return [ids, (ids != 0).to(torch.int32), pos, torch.arange(batch, dtype=torch.int32),
+    return [ids, (ids != 0).to(torch.int32), pos, torch.arange(first_row, first_row + batch, dtype=torch.int32),
             torch.ones(batch, 3, dtype=torch.float32)]
 
 
@@ -97,7 +98,10 @@ def main(dry: str, ckpt: str, request: str, out: str) -> None:
     for r, p in enumerate(prompts):
         ids[r, :len(p)] = torch.tensor(p)
         pos[r, :len(p)] = torch.arange(len(p))
-    logits = run("context_encoding_model", bucket, _inputs(ids, pos, batch)).reshape(batch, -1)
+    ctx_batch = graphs[("context_encoding_model", bucket)][0]["batch"]  # 1 under continuous batching
+    logits = torch.cat([run("context_encoding_model", bucket,
+                            _inputs(ids[r:r + ctx_batch], pos[r:r + ctx_batch], ctx_batch, r)).reshape(ctx_batch, -1)
+                        for r in range(0, batch, ctx_batch)])
     steps, tokens = [logits], [logits.argmax(-1)]
     position = torch.tensor([len(p) for p in prompts] + [len(prompts[0])] * (batch - len(prompts)))
     for _ in range(req["steps"]):

@@ -59,10 +59,11 @@ def test_prefill_working_memory_by_hand():
 
 def test_verdicts():
     assert plan(M3, 64, 64, batch=1, seq=4096).fits
-    # the published port's OOM at 8K x batch 8 (prefill of 64K tokens at once) is reproduced ...
-    assert not plan(M3, 64, 64, batch=8, seq=8192).fits
-    # ... and prefilling one sequence at a time fits
+    # the published port's OOM at 8K x batch 8 (static batching: a prefill of 64K tokens at once) is reproduced ...
+    assert not plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=8).fits
+    # ... and prefilling one sequence at a time (the engine's continuous batching, the default) fits
     assert plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1).fits
+    assert plan(M3, 64, 64, batch=8, seq=8192) == plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1)
     # 1 x 128K in bf16: ~5.6 GiB of caches on top of ~12.9 GiB of weights and the reserve
     big = plan(M3, 64, 64, batch=1, seq=131072)
     assert big.kv_bytes + big.index_k_bytes == 131072 * (30_720 + 14_592)
@@ -88,7 +89,7 @@ def test_cli_exit_codes(capsys):
     assert main(["--batch", "1", "--seq", "4096"]) == 0
     out = capsys.readouterr().out
     assert "FITS" in out and "index-K cache" in out and "of 24.00 GiB" in out
-    assert main(["--batch", "8", "--seq", "8192"]) == 1
+    assert main(["--batch", "8", "--seq", "8192", "--ctx-batch", "8"]) == 1  # static batching: 64K tokens at once
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["--tp", "64", "--ep", "48", "--batch", "1", "--seq", "128"]) == 2
     assert GIB == 2 ** 30

@@ -11,7 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_CONTEXT_BUCKETS = [512, 1024, 2048, 4096]
+# powers of two from 128, cut below the context length, which is added (NxDI's generate_buckets shape); batch > 1
+# prefills one request per call (continuous batching), so no graph is batch x bucket tokens
+DEFAULT_CONTEXT_BUCKETS = [2 ** i for i in range(7, 21)]
 TRN2 = dict(tp_degree=64, moe_ep_degree=64, logical_nc_config=2)
 
 
@@ -24,7 +26,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=4096, help="max total tokens per sequence")
     p.add_argument("--context-buckets", default=None,
-                   help="comma-separated prefill buckets (default: those of 512,1024,2048,4096 up to --seq-len)")
+                   help="comma-separated prefill buckets (default: powers of two from 128 below --seq-len, and "
+                        "--seq-len)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--prompt-ids", default="1,100,200,300,400", help="comma-separated token ids to generate from")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -33,6 +36,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "default: block-aligned powers of two from 128 below --seq-len, and --seq-len (a step at "
                         "context c reads the caches up to the smallest bucket >= c)")
     p.add_argument("--lnc", type=int, default=None, help="logical NeuronCore config (trn2: 2)")
+    p.add_argument("--all-logits", action="store_true",
+                   help="prefill returns every position's logits (a scoring build for prefill_logits; costs a "
+                        "bucket x vocab fp32 output per prefill)")
     p.add_argument("--skip-compile", action="store_true", help="load an existing --compiled directory")
     p.add_argument("--dry-run", action="store_true",
                    help="trace every bucket to HLO (NxDI's compile(dry_run=True)), write the modules, the neuronx-cc "
@@ -43,8 +49,7 @@ def run(args) -> int:
     from ..checkpoint.synthetic import write_synthetic
     from ..engine import GenerationConfig
     from .config import MiniMaxM3InferenceConfig, load_m3_config
-    from .engine import NeuronEngine, build_neuron_config
-    from .model import NeuronMiniMaxM3ForCausalLM
+    from .engine import NeuronEngine, application, build_neuron_config
 
     if args.dry_run:
         return _dry_run(args)
@@ -60,6 +65,8 @@ def run(args) -> int:
             raise SystemExit("--model is required (or --synthetic)")
         tp, ep, lnc = args.tp or TRN2["tp_degree"], args.ep or TRN2["moe_ep_degree"], TRN2["logical_nc_config"]
         buckets = [b for b in _buckets(args.context_buckets, DEFAULT_CONTEXT_BUCKETS, args.seq_len) if b <= args.seq_len]
+    if args.batch > 1:
+        print(f"batch {args.batch}: continuous batching (one request per prefill, {args.batch} decode slots)")
     compiled = args.compiled or str(Path(model) / f"neuron-tp{tp}-ep{ep}-b{args.batch}-s{args.seq_len}")
     nc = build_neuron_config(
         tp_degree=tp, moe_ep_degree=ep, batch_size=args.batch, max_seq_len=args.seq_len,
@@ -67,10 +74,10 @@ def run(args) -> int:
         context_encoding_buckets=buckets,
         token_generation_buckets=_buckets(args.token_buckets, token_buckets(args.seq_len, _block_size(model)),
                                           args.seq_len),
-        save_sharded_checkpoint=True, attn_kernel_enabled=False,
+        save_sharded_checkpoint=True, attn_kernel_enabled=False, prefill_all_logits=args.all_logits,
     )
     config = MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(model))
-    app = NeuronMiniMaxM3ForCausalLM(model, config)
+    app = application(model, config)
     if not args.skip_compile:
         t0 = time.perf_counter()
         app.compile(compiled)
@@ -92,11 +99,16 @@ def run(args) -> int:
 
 
 def _buckets(text: str | None, default: list[int], seq_len: int) -> list[int]:
-    """Buckets from a comma-separated option; the default keeps only those up to the cache length (an explicit
-    bucket beyond it is an error, reported by the layout check)."""
+    """Buckets from a comma-separated option; the default keeps those below the cache length and adds it (an
+    explicit bucket beyond it is an error, reported by the layout check)."""
     if text:
         return sorted({int(b) for b in text.split(",") if b.strip()})
-    return [b for b in default if b <= seq_len] or [seq_len]
+    return sorted({b for b in default if b < seq_len} | {seq_len})
+
+
+def context_buckets(max_context_length: int) -> list[int]:
+    """The default context-encoding buckets for prompts of up to ``max_context_length`` tokens."""
+    return _buckets(None, DEFAULT_CONTEXT_BUCKETS, max_context_length)
 
 
 def token_buckets(seq_len: int, block_size: int) -> list[int]:

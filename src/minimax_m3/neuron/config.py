@@ -28,9 +28,14 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
 
     NxD computes ``gate * sigmoid(1.702 * gate) * (up + 1)`` with gate clamped above at 7 and up clamped to
     [-7, 7] when ``glu_type="swiglu"``, ``hidden_act="sigmoid"``, ``hidden_act_bias=1`` and the experts have
-    (zero) biases; ``add_derived_config`` re-reads alpha and the limit from the model's config.json."""
+    (zero) biases; ``add_derived_config`` re-reads alpha and the limit from the model's config.json.
+
+    ``prefill_all_logits`` (ours, default False): the context-encoding graph returns the logits of every
+    position of its bucket instead of NxDI's last-token gather, so one prefill scores a whole prompt
+    (``NeuronEngine.prefill_logits``); it costs a ``bucket x vocab`` fp32 output, so serving builds keep it off."""
 
     def __init__(self, **kwargs):
+        self.prefill_all_logits = bool(kwargs.pop("prefill_all_logits", False))
         kwargs.setdefault("glu_mlp", True)
         kwargs.setdefault("glu_type", "swiglu")
         kwargs.setdefault("hidden_act_scaling_factor", 1.702)
@@ -120,9 +125,13 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
             problems.append("padding_side must be 'right' (sparse blocks are anchored at absolute positions)")
         if nc.sequence_parallel_enabled and any(c.sparse_layers):
             problems.append("sequence_parallel_enabled would give the indexer a sequence shard; keep it off")
-        if nc.is_continuous_batching or nc.kv_cache_batch_size != nc.batch_size:
-            problems.append("continuous batching / kv_cache_batch_size != batch_size: the index-K cache "
-                            "manager does not map seq_ids yet")
+        if nc.is_continuous_batching and nc.ctx_batch_size != 1:
+            problems.append(f"continuous batching prefills one sequence per call (NxDI writes one seq_id): set "
+                            f"ctx_batch_size=1, not {nc.ctx_batch_size}")
+        if nc.kv_cache_batch_size != nc.batch_size or nc.token_generation_batches:
+            problems.append("kv_cache_batch_size != batch_size or token_generation_batches: decode writes cache "
+                            "row r for batch row r (NxDI's rule when they are equal); keep kv_cache_batch_size = "
+                            "batch_size and no decode batch buckets")
         if nc.flash_decoding_enabled or nc.attn_block_tkg_nki_kernel_enabled or nc.k_cache_transposed:
             problems.append("flash decoding / attn_block_tkg kernel / k_cache_transposed bypass the sparse "
                             "decode path; keep them off")

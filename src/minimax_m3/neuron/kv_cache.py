@@ -5,7 +5,14 @@ The index-K tensors ``[batch, max_len, index_head_dim]`` (one per sparse layer) 
 out of the traced graph (``DecoderModelInstance.get``: entry i ↔ output ``num_output_from_trace + i``) and, off
 device, copies the returned tensors back entry by entry (``_copy_past_key_values``), so the index-K cache is
 carried exactly like K and V. Layers receive ``past_key_value = [K, V, index_K]`` on sparse layers and return
-``(K, V, index_k_new)``; writes use the same slots as K/V (prefill: slots ``0..S-1``; decode: ``position_ids``).
+``(K, V, index_k_new)``; index-K uses the same rows and slots as K/V:
+
+* prefill, static batching: rows ``0..B-1``, slots ``0..S-1`` (NxDI's ``fill_prefix``);
+* prefill, continuous batching (``ctx_batch_size=1``): row ``seq_ids[0]``, slots ``0..S-1``, written with
+  constant position indices as NxDI writes K/V there (``update_cache_const_indices``);
+* decode: row r for batch row r, slot ``position_ids[r]`` (NxDI's scatter when ``batch_size ==
+  kv_cache_batch_size``, which ``validate_config`` requires);
+* reads take the rows NxDI's ``get_kv_by_layer_id`` takes (padding rows dropped).
 """
 
 from __future__ import annotations
@@ -62,9 +69,20 @@ class M3KVCacheManager(KVCacheManager):
         for layer in self.sparse_layers:
             cache = self.index_k_cache(layer)
             new = new_key_values[layer][2]  # [B, S_active, D]
-            if is_for_context_encoding:  # slots 0..S-1 written in place, as NxDI writes K/V
+            if is_for_context_encoding and self.is_continuous_batching:
+                cache = _write_rows(cache, new.to(cache.dtype), seq_ids)
+            elif is_for_context_encoding:  # rows 0..B-1, slots 0..S-1 written in place, as NxDI writes K/V
                 cache = fill_prefix(cache, new.to(cache.dtype))
             else:
                 cache = ops.write_positions(cache.clone(), new.to(cache.dtype), position_ids, seq_dim=1)
             updated.append(cache)
         return updated
+
+
+def _write_rows(cache: torch.Tensor, new: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """``cache[seq_ids[b], 0:S] = new[b]``: the 3-D form of NxDI's ``update_cache_const_indices`` (the K/V
+    write under continuous batching): the position indices are constants, only the row offset is dynamic."""
+    b, s, _ = new.shape
+    rows = seq_ids.view(-1, 1).expand(b, s).to(torch.int32)
+    pos = torch.arange(s, dtype=torch.int32, device=new.device).view(1, -1).expand(b, s)
+    return torch.index_put(cache, (rows, pos), new)

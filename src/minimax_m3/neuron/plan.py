@@ -13,7 +13,9 @@ NeuronCore; trn2.48xlarge at LNC=2 has 64 of them with 24 GiB HBM each), the byt
 * **KV cache**: ``batch x seq`` tokens (seq rounded up to the indexer block) x layers x K and V of this rank's
   KV heads.
 * **index-K cache**: ``batch x seq`` tokens x sparse layers x one index key (replicated on every rank).
-* **prefill working memory**, the peak of one context-encoding pass of ``ctx_batch x seq`` tokens: hidden
+* **prefill working memory**, the peak of one context-encoding pass of ``ctx_batch x seq`` tokens (``ctx_batch``
+  1 by default: the neuron engine prefills one request per call, continuous batching at any batch; ``--ctx-batch
+  B`` models static batching, ``continuous_batching=False``): hidden
   states (4 live copies, replicated without sequence parallelism), this rank's projections, one query tile of
   fp32 scores and probabilities over all keys (block-sparse prefill keeps memory O(tile x S), never O(S^2)),
   router scores, and NxDI's blockwise-MoE buffers (``ceil(T k / block) + local_experts - 1`` blocks of
@@ -117,7 +119,7 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
         raise PlanError("weights and kv dtype are bf16 or fp8")
     if min(tp, ep, batch, seq, tile, moe_block) < 1:
         raise PlanError("tp, ep, batch, seq, tile and moe_block must be positive")
-    ctx_batch = batch if ctx_batch is None else ctx_batch
+    ctx_batch = 1 if ctx_batch is None else ctx_batch  # what NeuronEngine runs: one request per prefill
     w, _ = weight_bytes(c, tp, ep, weights)
     h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
     q = _heads_per_rank(c.num_heads, tp, "query heads")
@@ -249,7 +251,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq", type=int, required=True, help="maximum tokens per sequence (prompt + output)")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="routed-expert weight format")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV and index-K cache dtype")
-    ap.add_argument("--ctx-batch", type=int, default=None, help="sequences prefilled together (default: batch)")
+    ap.add_argument("--ctx-batch", type=int, default=None,
+                    help="sequences prefilled together (default 1: the engine's continuous batching; B: static)")
     ap.add_argument("--reserve-gib", type=float, default=3.0, help="runtime/scratchpad reserve (default 3)")
     ap.add_argument("--hbm-gib", type=float, default=HBM_PER_RANK_GIB, help="HBM per rank (default 24)")
     ap.add_argument("--config", default=None, help="config.json or checkpoint folder (default: the M3 release)")
