@@ -26,7 +26,8 @@ def test_traced_graphs_give_the_golden_logits(dry_tiny, tiny_ckpt, tmp_path):
     prompts = [random_ids(37, seed=1), random_ids(125, seed=2)]
     steps = 6
     (tmp_path / "req.json").write_text(json.dumps({"prompts": prompts, "steps": steps}))
-    run_module("test.hlo.execute", str(dry_tiny), str(tiny_ckpt), str(tmp_path / "req.json"), str(tmp_path / "o.pt"))
+    run_module("test.hlo.execute", str(dry_tiny), str(tiny_ckpt), str(tmp_path / "req.json"), str(tmp_path / "o.pt"),
+               timeout=2400)
     got = torch.load(tmp_path / "o.pt")
     ref = ReferenceEngine.from_pretrained(tiny_ckpt, device="cpu", dtype="float32", max_seq_len=256)
     golden = compute_golden(ref, prompts, steps + 1)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 def _run(args) -> int:
     from . import _import
+    from .compile import check_dry_run
 
+    if args.dry_run:
+        check_dry_run(args)  # every layout problem, before the (slow) NxDI import
     _import("config")  # without the Neuron SDK: one NeuronUnavailableError saying what to install
     return _import("compile").run(args)
 

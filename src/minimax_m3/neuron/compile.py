@@ -133,14 +133,28 @@ def _block_size(model: str | None) -> int:
         return 128
 
 
-def _dry_run(args) -> int:
-    from . import dry_run
-
+def _dry_run_layout(args):
     tp, ep = args.tp or TRN2["tp_degree"], args.ep or TRN2["moe_ep_degree"]
     lnc = args.lnc or TRN2["logical_nc_config"]
     ctx = _buckets(args.context_buckets, DEFAULT_CONTEXT_BUCKETS, args.seq_len)
     tkg = _buckets(args.token_buckets, token_buckets(args.seq_len, _block_size(args.model)), args.seq_len)
-    config = dry_run.check_layout(args.model, tp, ep, lnc, args.batch, args.seq_len, ctx, tkg)
+    return tp, ep, lnc, ctx, tkg
+
+
+def check_dry_run(args):
+    """The layout checks of ``--dry-run``, without importing NxDI: the model config, or one error listing every
+    problem."""
+    from .dry_run import check_layout
+
+    tp, ep, lnc, ctx, tkg = _dry_run_layout(args)
+    return check_layout(args.model, tp, ep, lnc, args.batch, args.seq_len, ctx, tkg)
+
+
+def _dry_run(args) -> int:
+    from . import dry_run
+
+    tp, ep, lnc, ctx, tkg = _dry_run_layout(args)
+    config = check_dry_run(args)
     out = args.compiled or str(Path(args.model) / f"neuron-tp{tp}-ep{ep}-b{args.batch}-s{args.seq_len}-dry-run")
     from .config import MiniMaxM3InferenceConfig, load_m3_config
     from .engine import build_neuron_config
