@@ -225,7 +225,8 @@ class NeuronEngine:
         out: list[torch.Tensor] = []
         for i in range(0, len(prompts), self.batch):
             rows = list(prompts[i:i + self.batch])
-            out.extend(self._context(rows + [rows[0]] * (self.batch - len(rows)), torch.arange(self.batch))[: len(rows)])
+            padded = rows + [rows[0]] * (self.batch - len(rows))
+            out.extend(self._context(padded, torch.arange(self.batch))[: len(rows)])
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig) -> list[GenerationResult]:
