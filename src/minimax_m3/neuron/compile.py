@@ -62,7 +62,9 @@ def run(args) -> int:
         buckets = [b for b in (64, 128) if b <= args.seq_len] or [args.seq_len]
     else:
         if not model:
-            raise SystemExit("--model is required (or --synthetic)")
+            from ..config import ConfigError
+
+            raise ConfigError(["--model is required: a checkpoint directory (or --synthetic)"], source="compile")
         tp, ep, lnc = args.tp or TRN2["tp_degree"], args.ep or TRN2["moe_ep_degree"], TRN2["logical_nc_config"]
         buckets = [b for b in _buckets(args.context_buckets, DEFAULT_CONTEXT_BUCKETS, args.seq_len) if b <= args.seq_len]
     if args.batch > 1:
