@@ -115,3 +115,26 @@ def test_token_buckets_off_the_indexer_block_are_refused_at_config_time(ckpt):
         MiniMaxM3InferenceConfig(build_neuron_config(dtype="float32", batch_size=1, max_seq_len=512,
                                                      max_context_length=256, token_generation_buckets=[120, 512]),
                                  load_config=load_m3_config(ckpt))
+
+
+def test_compile_names_off_block_token_buckets_in_one_message(tmp_path, tiny_ckpt):
+    """``compile --dry-run --token-buckets 100,256``: exit 2, one message naming the buckets and the fix, no
+    traceback, nothing written."""
+    import os
+    import subprocess
+    import sys
+
+    from test.hlo.conftest import REPO
+
+    out = tmp_path / "out"
+    args = ["--model", str(tiny_ckpt), "--tp", "1", "--ep", "1", "--lnc", "1", "--seq-len", "256",
+            "--context-buckets", "128,256", "--token-buckets", "100,256", "--compiled", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), PJRT_DEVICE="CPU")
+    env.pop("NXD_CPU_MODE", None)
+    p = subprocess.run([sys.executable, "-m", "test.hlo.dry_run", *args], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert "token-generation buckets [100, 256] must be multiples of index_block_size" in p.stderr
+    assert "--token-buckets" in p.stderr
+    assert not out.exists()

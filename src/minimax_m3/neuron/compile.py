@@ -48,7 +48,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..checkpoint.synthetic import write_synthetic
     from ..engine import GenerationConfig
-    from .config import MiniMaxM3InferenceConfig, load_m3_config
     from .engine import NeuronEngine, application, build_neuron_config
 
     if args.dry_run:
@@ -78,7 +77,7 @@ def run(args) -> int:
                                           args.seq_len),
         save_sharded_checkpoint=True, attn_kernel_enabled=False, prefill_all_logits=args.all_logits,
     )
-    config = MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(model))
+    config = _inference_config(nc, model)
     app = application(model, config)
     if not args.skip_compile:
         t0 = time.perf_counter()
@@ -152,13 +151,26 @@ def check_dry_run(args):
     return check_layout(args.model, tp, ep, lnc, args.batch, args.seq_len, ctx, tkg)
 
 
+def _inference_config(nc, model: str):
+    """The NxDI config, its ``validate_config`` problems (e.g. token-generation buckets off the indexer block) as
+    the package's one-message :class:`ConfigError` (the CLI prints it and exits 2)."""
+    from ..config import ConfigError
+    from .config import MiniMaxM3InferenceConfig, load_m3_config
+
+    try:
+        return MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(model))
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError([str(exc)], source="compile") from None
+
+
 def _dry_run(args) -> int:
     from . import dry_run
 
     tp, ep, lnc, ctx, tkg = _dry_run_layout(args)
     config = check_dry_run(args)
     out = args.compiled or str(Path(args.model) / f"neuron-tp{tp}-ep{ep}-b{args.batch}-s{args.seq_len}-dry-run")
-    from .config import MiniMaxM3InferenceConfig, load_m3_config
     from .engine import build_neuron_config
     from .model import NeuronMiniMaxM3ForCausalLM
 
@@ -167,7 +179,7 @@ def _dry_run(args) -> int:
         max_context_length=max(ctx), dtype=args.dtype, logical_nc_config=lnc, enable_bucketing=True,
         context_encoding_buckets=ctx, token_generation_buckets=tkg, attn_kernel_enabled=False,
     )
-    app = NeuronMiniMaxM3ForCausalLM(args.model, MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(args.model)))
+    app = NeuronMiniMaxM3ForCausalLM(args.model, _inference_config(nc, args.model))
     t0 = time.perf_counter()
     manifest = dry_run.trace(app, out, "minimax-m3", config)
     print(f"traced {len(ctx)} context-encoding bucket(s) {ctx} and {len(tkg)} token-generation bucket(s) {tkg} "
