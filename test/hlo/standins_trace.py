@@ -111,7 +111,7 @@ def _device():
 
 def _to_device(module: torch.nn.Module, dev) -> dict:
     """Weights and states onto the XLA device (once per module; later buckets reuse them). A CPU Parameter cannot
-    take XLA data in place, so each is replaced by a new Parameter; returns id(old) -> new for the alias keys."""
+    take XLA data in place, so each is replaced by a new Parameter; returns id(old) -> (old, new) for the alias keys."""
     moved = getattr(module, "_standin_xla_params", None)
     if moved is None:
         moved = {}
@@ -120,7 +120,7 @@ def _to_device(module: torch.nn.Module, dev) -> dict:
                 for name, p in list(m._parameters.items()):
                     if p is not None and p.device != dev:
                         new = torch.nn.Parameter(p.data.to(dev), requires_grad=False)
-                        moved[id(p)] = new
+                        moved[id(p)] = (p, new)  # the old one kept alive: its id must not be reused
                         m._parameters[name] = new
                 for name, b in list(m._buffers.items()):
                     if b is not None and b.device != dev:
@@ -149,7 +149,8 @@ def generate_hlo(func, example_inputs, input_output_aliases, inline_weights_to_n
     dev = _device()
     if isinstance(func, torch.nn.Module):
         moved = _to_device(func, dev)
-        input_output_aliases = {moved.get(id(k), k): v for k, v in input_output_aliases.items()}
+        input_output_aliases = {moved[id(k)][1] if id(k) in moved and moved[id(k)][0] is k else k: v
+                                for k, v in input_output_aliases.items()}
     inputs = [t.to(dev) if isinstance(t, torch.Tensor) else t for t in example_inputs]
     ctx, outputs, checks = _lower(func, inputs)
     module = hlo_schema.parse_module(ctx.hlo())
