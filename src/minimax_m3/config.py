@@ -90,6 +90,16 @@ class M3Config:
     def replace(self, **changes: Any) -> "M3Config":
         return dataclasses.replace(self, **changes)
 
+    def fields_dict(self) -> dict:
+        """The fields as a JSON-friendly dict (tuples become lists); :meth:`from_fields` reads it back."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "M3Config":
+        """The inverse of :meth:`fields_dict`; unknown keys are ignored (newer writers)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in fields.items() if k in known})
+
     # ---- parsing -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "M3Config":

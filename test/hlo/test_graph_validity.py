@@ -22,7 +22,7 @@ HOST_OPS = {"send", "send-done", "recv", "recv-done", "infeed", "outfeed", "host
 
 def graphs(out: Path):
     man = json.loads((out / "dry_run.json").read_text())
-    cfg = M3Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in man["model"].items()})
+    cfg = M3Config.from_fields(man["model"])
     for g in man["graphs"]:
         yield g, hlo_schema.parse_module((out / g["hlo"]).read_bytes()), cfg, man
 

@@ -8,7 +8,6 @@ already-derived values) gives the same config.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -50,7 +49,7 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
 
 def m3_dict(c: M3Config) -> dict:
     """JSON-friendly field dict of an ``M3Config`` (tuples become lists)."""
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(c).items()}
+    return c.fields_dict()
 
 
 def load_m3_config(path: str | Path):
@@ -70,7 +69,7 @@ def load_m3_config(path: str | Path):
 
 class MiniMaxM3InferenceConfig(InferenceConfig):
     def m3_config(self) -> M3Config:
-        return M3Config(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in self.m3.items()})
+        return M3Config.from_fields(self.m3)
 
     def add_derived_config(self):
         if not hasattr(self, "m3"):  # built from raw config.json keys (nested or flat) passed as kwargs

@@ -113,7 +113,7 @@ def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> P
         "layout": {"tp": nc.tp_degree, "ep": getattr(nc, "moe_ep_degree", 1), "lnc": nc.logical_nc_config,
                    "world_size": nc.world_size, "rank": 0},
         "dtype": str(nc.torch_dtype).replace("torch.", ""), "batch_size": nc.batch_size,
-        "max_length": nc.max_length, "model": _asdict(model_config), "graphs": graphs,
+        "max_length": nc.max_length, "model": model_config.fields_dict(), "graphs": graphs,
     }
     path = out / "dry_run.json"
     write_atomic(path, (json.dumps(manifest, indent=1) + "\n").encode())
@@ -126,12 +126,6 @@ def _under(p: Path, root: Path) -> bool:
         return True
     except ValueError:
         return False
-
-
-def _asdict(c: M3Config) -> dict:
-    import dataclasses
-
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(c).items()}
 
 
 def trace(app, out: str | Path, port: str, model_config: M3Config) -> Path:

@@ -15,7 +15,6 @@ import json
 import re
 import sys
 from collections import Counter
-from dataclasses import fields
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -71,9 +70,7 @@ def load_manifest(path: str | Path) -> tuple[Path, dict, M3Config]:
     if not isinstance(model, dict) or not model:
         problems.append("model config missing (the M3Config fields of the traced model)")
     try:
-        known = {f.name for f in fields(M3Config)}
-        raw = {k: tuple(v) if isinstance(v, list) else v for k, v in (model or {}).items() if k in known}
-        cfg = M3Config(**raw)
+        cfg = M3Config.from_fields(model or {})
     except (ConfigError, TypeError) as exc:
         problems.append(f"model config unreadable ({exc})")
         cfg = None
