@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .errors import M3Error
+
 MANIFEST_NAME = "minimax-m3-manifest.json"
 MANIFEST_FORMAT = "minimax-m3-manifest/1"
 UPLOADING_NAME = "minimax-m3-upload-in-progress.json"  # on S3 while our upload runs; deleted after the manifest
@@ -28,7 +30,7 @@ LISTING_SOURCE = "s3-listing"  # a local manifest written after downloading a pr
 _PLAIN_ETAG = re.compile(r'^"?([0-9a-fA-F]{32})"?$')
 
 
-class StorageError(RuntimeError):
+class StorageError(M3Error, RuntimeError):
     """A storage operation failed; the message names the URI and the fix."""
 
 

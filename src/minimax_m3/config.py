@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import M3Error
 
-class ConfigError(ValueError):
+
+class ConfigError(M3Error, ValueError):
     """A config.json that cannot describe a MiniMax-M3 backbone this package runs."""
 
     def __init__(self, problems: list[str], source: str = "config"):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{source}: {len(self.problems)} problem(s) in the model config:\n{lines}")
+        problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__(problems, f"{source}: {len(problems)} problem(s) in the model config:")
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,31 @@
-"""The backend-neutral engine interface every user of the package talks to.
+"""The backend-neutral engine: generation settings and results, the step-provider contract every backend
+implements, and :class:`Engine`, the ONE generation loop for every backend.
 
-An :class:`Engine` takes token ids (lists of ints, no padding) and returns logits or generated tokens. The
-reference backend (pure PyTorch, CPU/CUDA) and the neuron backends implement it; ``load_engine`` picks one.
+A backend is a *step provider*: it prefills prompts into cache slots and decodes one token for a set of slots,
+returning logits (or, with on-device sampling, chosen token ids). The loop here does everything else the same way
+on every backend: input checks, batching and continuous admission into free slots, per-sequence seeded sampling,
+EOS and stop sequences, ``return_logits`` and the timing fields. :func:`load_engine` builds an engine from an
+:class:`~minimax_m3.spec.EngineSpec`.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, Union
 
 import torch
 
-from .config import M3Config
+from . import ops
+from .config import ConfigError, M3Config
+from .spec import BACKENDS, EngineSpec
 
-BACKENDS = ("reference", "neuron", "neuron-cpu")
+__all__ = ["BACKENDS", "Engine", "EngineInputError", "EngineSpec", "GenerationConfig", "GenerationResult",
+           "StepOutput", "StepProvider", "TIMING_KEYS", "load_engine", "unpad"]
+
+# every result's ``timings`` has exactly these keys, on every backend (seconds; ``decode_step_s`` a list)
+TIMING_KEYS = ("queue_s", "prefill_s", "ttft_s", "decode_step_s", "total_s")
 
 
 class EngineInputError(ValueError):
@@ -54,23 +66,199 @@ class GenerationResult:
     finish_reason: str  # "eos" | "stop" | "length"
     step_logits: torch.Tensor | None = None  # [len(tokens), vocab] float32 when requested
     prompt_len: int = 0
-    timings: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)  # TIMING_KEYS
 
 
-@runtime_checkable
-class Engine(Protocol):
-    """What every backend provides."""
+@dataclass
+class StepOutput:
+    """What a provider's step returns when it does not return plain logits: ``token_ids`` ``[n]`` chosen on the
+    device (the loop samples nothing) and/or ``logits`` ``[n, vocab]``."""
+
+    logits: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+
+
+Step = Union[torch.Tensor, StepOutput]
+
+
+class StepProvider(Protocol):
+    """A backend, as the generation loop drives it. Rows of every call are in the order of ``slots``."""
 
     config: M3Config
+    max_batch: int  # cache slots (sequences decoded together)
     max_seq_len: int  # prompt + generated tokens per sequence
+    max_context_len: int  # the longest prompt one prefill takes
+    continuous: bool  # True: any free slot takes a new prompt; False: a new group only when every slot is free
 
+    def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int) -> Step:
+        """Prefill ``prompts`` into cache ``slots`` (static providers: ``slots == range(len(prompts))``, a new
+        group); ``max_len``: the most tokens any of them reaches. Last-position logits ``[n, vocab]``."""
+        ...
+
+    def decode(self, tokens: list[int], positions: list[int], slots: list[int]) -> Step:
+        """One step: token ``tokens[i]`` at ``positions[i]`` of slot ``slots[i]`` (other slots idle). ``[n, vocab]``."""
+        ...
+
+    def prefill_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher-forced logits at every position, up to ``max_batch`` prompts: float32 ``[len, vocab]`` each."""
+        ...
+
+
+@dataclass
+class _Sequence:
+    index: int
+    prompt: list[int]
+    rng: torch.Generator | None
+    queue_s: float
+    prefill_s: float = 0.0
+    ttft_s: float | None = None
+    logits: torch.Tensor | None = None  # the pending step's logits (or None with on-device sampling)
+    token: int | None = None  # the pending step's id chosen on the device
+    tokens: list[int] = field(default_factory=list)
+    kept: list[torch.Tensor] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+
+    @property
+    def pos(self) -> int:  # where the last chosen token goes in decode
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+class Engine:
+    """The one generation loop over a :class:`StepProvider`. ``max_seq_len`` bounds prompt + generated tokens."""
+
+    def __init__(self, provider: StepProvider, spec: EngineSpec | None = None):
+        self.provider, self.spec = provider, spec
+        self.config: M3Config = provider.config
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.provider.max_seq_len
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.provider.max_batch
+
+    # ---- input checks (the same on every backend) ------------------------------------------------------------
+    def check(self, prompts: Sequence[Sequence[int]], new_tokens: int = 0) -> list[list[int]]:
+        if len(prompts) == 0:
+            raise EngineInputError("no prompts given")
+        p_max, s_max, vocab = self.provider.max_context_len, self.max_seq_len, self.config.vocab_size
+        out = []
+        for i, p in enumerate(prompts):
+            p = [int(t) for t in p]
+            if not p:
+                raise EngineInputError(f"prompt {i} is empty; give at least one token (e.g. the BOS id)")
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise EngineInputError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            if len(p) > p_max:
+                raise EngineInputError(f"prompt {i} has {len(p)} tokens, more than max_context_len={p_max}, the "
+                                       "longest prompt this engine prefills. Shorten it or raise --max-context-len")
+            if len(p) + new_tokens > s_max:
+                raise EngineInputError(
+                    f"prompt {i} has {len(p)} tokens; with {new_tokens} new tokens that exceeds max_seq_len="
+                    f"{s_max}. Shorten the prompt or raise max_seq_len (--max-seq-len)")
+            out.append(p)
+        return out
+
+    # ---- the Engine interface ---------------------------------------------------------------------------------
     def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Teacher-forced logits at every prompt position: one float32 ``[len(prompt), vocab]`` per prompt."""
-        ...
+        prompts, b = self.check(prompts), self.provider.max_batch
+        out: list[torch.Tensor] = []
+        for s in range(0, len(prompts), b):
+            out.extend(x.float() for x in self.provider.prefill_logits(prompts[s:s + b]))
+        return out
 
     def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig) -> list[GenerationResult]:
-        """Generate for a batch; each sequence gets exactly the tokens it would get alone."""
-        ...
+        """Generate for every prompt; each sequence gets exactly the tokens it would get alone (sampling: one
+        generator per sequence, seeded with ``gen.seed``)."""
+        prompts = self.check(prompts, gen.max_new_tokens)
+        t0 = time.perf_counter()
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        waiting = deque(range(len(prompts)))
+        slots: list[_Sequence | None] = [None] * self.provider.max_batch
+        while waiting or any(slots):
+            self._admit(prompts, gen, waiting, slots, t0)
+            for r, seq in enumerate(slots):
+                if seq is None:
+                    continue
+                reason = self._choose(seq, gen, t0)
+                if reason:
+                    results[seq.index], slots[r] = self._result(seq, reason, gen, t0), None
+            active = [r for r, seq in enumerate(slots) if seq is not None]
+            if not active:
+                continue
+            t1 = time.perf_counter()
+            out = self.provider.decode([slots[r].tokens[-1] for r in active], [slots[r].pos for r in active], active)
+            dt = time.perf_counter() - t1
+            for i, r in enumerate(active):
+                self._receive(slots[r], out, i)
+                slots[r].step_s.append(dt)
+        return results
+
+    # ---- the loop's parts -------------------------------------------------------------------------------------
+    def _admit(self, prompts, gen: GenerationConfig, waiting: deque, slots: list, t0: float) -> None:
+        """Fill free slots with waiting prompts: each free slot with its own prefill (continuous), or a whole group
+        in one prefill once every slot is free (static)."""
+        free = [r for r, seq in enumerate(slots) if seq is None]
+        if not waiting or (not self.provider.continuous and len(free) < len(slots)):
+            return
+        take = [(r, waiting.popleft()) for r in free[:len(waiting)]]
+        groups = [[t] for t in take] if self.provider.continuous else [take]
+        for group in groups:
+            rows = [prompts[i] for _, i in group]
+            t1 = time.perf_counter()
+            out = self.provider.prefill(rows, [r for r, _ in group], max(map(len, rows)) + gen.max_new_tokens)
+            dt = time.perf_counter() - t1
+            for k, (r, i) in enumerate(group):
+                rng = None
+                if not gen.greedy:
+                    device = out.logits.device if isinstance(out, StepOutput) and out.logits is not None else \
+                        out.device if isinstance(out, torch.Tensor) else "cpu"
+                    rng = torch.Generator(device=device).manual_seed(0 if gen.seed is None else gen.seed)
+                slots[r] = _Sequence(i, prompts[i], rng, queue_s=t1 - t0, prefill_s=dt)
+                self._receive(slots[r], out, k)
+
+    @staticmethod
+    def _receive(seq: _Sequence, out: Step, row: int) -> None:
+        if isinstance(out, StepOutput):
+            seq.logits = None if out.logits is None else out.logits[row]
+            seq.token = None if out.token_ids is None else int(out.token_ids[row])
+        else:
+            seq.logits, seq.token = out[row], None
+
+    @staticmethod
+    def _choose(seq: _Sequence, gen: GenerationConfig, t0: float) -> str | None:
+        """Pick the next token of ``seq``; the finish reason once done, else None."""
+        if seq.token is not None:  # chosen on the device
+            tok = seq.token
+        elif seq.logits is None:
+            raise EngineInputError("the backend returned neither logits nor token ids")
+        elif gen.greedy:
+            tok = int(seq.logits.argmax())
+        else:
+            tok = int(ops.sample(seq.logits[None], gen.temperature, gen.top_k, gen.top_p, seq.rng)[0])
+        if gen.return_logits:
+            if seq.logits is None:
+                raise EngineInputError("return_logits needs logits, but this engine samples on the device "
+                                       "(on_device_sampling): load it without on-device sampling to keep logits")
+            seq.kept.append(seq.logits.float().cpu())
+        seq.tokens.append(tok)
+        if seq.ttft_s is None:
+            seq.ttft_s = time.perf_counter() - t0
+        if tok in gen.eos_token_ids:
+            return "eos"
+        if any(s and tuple(seq.tokens[-len(s):]) == tuple(s) for s in gen.stop_sequences):
+            return "stop"
+        return "length" if len(seq.tokens) == gen.max_new_tokens else None
+
+    @staticmethod
+    def _result(seq: _Sequence, reason: str, gen: GenerationConfig, t0: float) -> GenerationResult:
+        timings = {"queue_s": seq.queue_s, "prefill_s": seq.prefill_s, "ttft_s": seq.ttft_s,
+                   "decode_step_s": seq.step_s, "total_s": time.perf_counter() - t0}
+        return GenerationResult(tokens=seq.tokens, finish_reason=reason, prompt_len=len(seq.prompt),
+                                step_logits=torch.stack(seq.kept) if gen.return_logits else None, timings=timings)
 
 
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
@@ -90,18 +278,28 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[in
     return out
 
 
-def load_engine(model: str, backend: str = "reference", **kwargs) -> Engine:
-    """Load ``model`` (a checkpoint directory, or an ``s3://`` URI where supported) on ``backend``.
+# the old keyword names of load_engine(model, backend, **kw) -> EngineSpec fields
+_LEGACY_KW = {"max_batch_size": "max_batch", "batch_size": "max_batch", "tp_degree": "tp", "moe_ep_degree": "ep",
+              "logical_nc_config": "lnc", "max_context_length": "max_context_len",
+              "context_encoding_buckets": "context_buckets", "token_generation_buckets": "token_buckets",
+              "compiled_path": "compiled", "prefill_all_logits": "all_logits"}
 
-    Reference keyword arguments: ``device`` ("cpu" | "cuda" | None for the best local one), ``dtype``
-    ("float32" | "bfloat16"), ``max_seq_len``, ``max_batch_size``.
-    """
-    if backend == "reference":
-        from .reference.engine import ReferenceEngine
 
-        return ReferenceEngine.from_pretrained(model, **kwargs)
-    if backend in ("neuron", "neuron-cpu"):
+def load_engine(spec: EngineSpec | str, backend: str | None = None, **kw) -> Engine:
+    """Load the engine ``spec`` describes (validated first: every problem in one error). The older form
+    ``load_engine(model, backend="reference", **fields)`` builds the spec from its arguments (the old keyword
+    names such as ``max_batch_size`` and ``tp_degree`` are accepted)."""
+    if not isinstance(spec, EngineSpec):
+        fields = {_LEGACY_KW.get(k, k): (tuple(v) if isinstance(v, list) else v) for k, v in kw.items()}
+        spec = EngineSpec(model=str(spec), backend=backend or "reference", **fields)
+    elif backend is not None or kw:
+        raise TypeError("load_engine(spec) takes no other arguments; put them in the EngineSpec")
+    if spec.backend == "reference":
+        from .reference.engine import load_reference
+
+        return load_reference(spec)
+    if spec.backend in ("neuron", "neuron-cpu"):
         from .neuron import load_neuron_engine  # raises one clear error without the Neuron SDK
 
-        return load_neuron_engine(model, on_cpu=(backend == "neuron-cpu"), **kwargs)
-    raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        return load_neuron_engine(spec)
+    raise ConfigError(spec.problems(), source="engine spec")  # names the unknown backend with every other problem

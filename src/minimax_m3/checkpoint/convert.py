@@ -30,13 +30,14 @@ from .mapping import BF16, REFERENCE, RuleTable, _sources, apply_rule, layer_uni
 from .reader import DTYPE_NAMES, INDEX, BufferPool
 from .source import Source
 from .validate import open_checkpoint
+from ..errors import M3Error
 
 JOURNAL = "convert-journal.json"
 AUDIT = "conversion_audit.json"
 SKIP_FILES = {INDEX, "config.json", "hf_quant_config.json", JOURNAL, AUDIT}
 
 
-class ConversionError(RuntimeError):
+class ConversionError(M3Error, RuntimeError):
     """A conversion that could not finish; the message says what was kept and how to resume."""
 
 
@@ -142,6 +143,7 @@ def _slab_tasks(source: Source, rule, unit: int, c: M3Config, dtype: torch.dtype
     rows = [source.logical[k[0]].shape[0] for k in keys]
     cols = source.logical[keys[0][0]].shape[1]
     n = sum(rows) * cols * dtype.itemsize
+    scale = getattr(rule.transform, "slab_scale", 1.0)  # a factor folded into the weights (nxdi_rules)
 
     def slab(x: int) -> torch.Tensor:
         stacked = pool.take(n).view(dtype).view(sum(rows), cols)
@@ -152,6 +154,8 @@ def _slab_tasks(source: Source, rule, unit: int, c: M3Config, dtype: torch.dtype
         out = pool.take(n).view(dtype).view(cols, sum(rows))
         out.copy_(stacked.t())  # contiguous destination: torch's blocked transpose
         pool.give(stacked)
+        if scale != 1.0:
+            out.mul_(scale)
         return out.unsqueeze(0)
 
     return [partial(slab, x) for x in range(len(keys[0]))]

@@ -21,6 +21,8 @@ import math
 import numpy as np
 import torch
 
+from ..errors import M3Error
+
 MX_BLOCK = 32
 NV_BLOCK = 16
 E4M3_MAX = 448.0
@@ -46,7 +48,7 @@ def _mx_lut(dtype: torch.dtype) -> np.ndarray:
     return _LUTS[dtype]
 
 
-class FormatError(ValueError):
+class FormatError(M3Error, ValueError):
     """Quantized data that cannot be decoded (NaN scales, wrong dtypes or shapes)."""
 
 

@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import M3Error
+
 OVERLAP_LIMIT = 64 << 20
 AHEAD = 3  # pieces computed ahead of the writer (each one expert slab or one tensor below OVERLAP_LIMIT)
 WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -30,8 +32,8 @@ WORKERS = max(1, min(4, os.cpu_count() or 1))
 Opener = Callable[[Path], object]
 
 
-class ShapeError(RuntimeError):
-    pass
+class ShapeError(M3Error, RuntimeError):
+    """A tensor whose shape does not match what its mapping rule or target expects."""
 
 
 def bytes_view(t: torch.Tensor) -> memoryview:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import M3Error
+
 INDEX = "model.safetensors.index.json"
 DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -77,13 +79,12 @@ class BufferPool:
             self._free.setdefault(nbytes, []).append(torch.empty(0, dtype=torch.uint8).set_(st))
 
 
-class CheckpointError(ValueError):
+class CheckpointError(M3Error, ValueError):
     """Everything wrong with a checkpoint, found before any work starts (one error, every problem)."""
 
     def __init__(self, problems: list[str], source: str = "checkpoint"):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{source}: {len(self.problems)} problem(s):\n{lines}")
+        problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__(problems, f"{source}: {len(problems)} problem(s):")
 
 
 @dataclass(frozen=True)

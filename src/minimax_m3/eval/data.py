@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 
 from .protocol import V2_TASK, base_task
+from ..errors import M3Error
 
 V1_FIELDS = ("input", "context", "answers", "length", "all_classes", "_id")
 V2_FIELDS = ("_id", "difficulty", "length", "question", "choice_A", "choice_B", "choice_C", "choice_D", "answer", "context")
 
 
-class LongBenchDataError(ValueError):
+class LongBenchDataError(M3Error, ValueError):
     """Data or configuration files that are missing, malformed or laid out wrongly."""
 
 

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..errors import M3Error
+
 # task -> (metric, category, language). Categories and languages as LongBench's README averages them;
 # "code" counts toward both the English and the Chinese average.
 V1_TASKS: dict[str, tuple[str, str, str]] = {
@@ -50,7 +52,7 @@ V2_MAX_NEW_TOKENS = 128
 V2_TEMPERATURE = 0.1
 
 
-class LongBenchTaskError(ValueError):
+class LongBenchTaskError(M3Error, ValueError):
     """An unknown task name or task list."""
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 
+from ..errors import M3Error
+
 INSTALL_HINT = (
     "the neuron backend needs the AWS Neuron SDK 2.29 Python packages: neuronx-distributed-inference 0.9 "
     "(NxDI), neuronx-distributed 0.18 (NxD) and torch-neuronx 2.9 with neuronx-cc, installed from the Neuron "
@@ -26,7 +28,7 @@ _EXPORTS = {
 }
 
 
-class NeuronUnavailableError(ImportError):
+class NeuronUnavailableError(M3Error, ImportError):
     """The Neuron SDK (NxDI/NxD) is not importable here."""
 
 

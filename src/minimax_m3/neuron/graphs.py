@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from .._storage_base import write_atomic
 from ..config import ConfigError, M3Config
 from . import hlo_cost, hlo_schema, plan
+from ..errors import M3Error
 
 MANIFEST = "dry_run.json"
 REPORT = "graphs.json"
@@ -30,7 +31,7 @@ STATE_KINDS = ("kv_dense", "kv_sparse", "index_k")
 _CACHE_NAME = re.compile(r"past_key_values\.(\d+)$")
 
 
-class GraphsError(ValueError):
+class GraphsError(M3Error, ValueError):
     """A directory that is not a readable dry run (says what was expected)."""
 
 

@@ -27,6 +27,7 @@ import math
 from collections import defaultdict
 
 from . import hlo_schema as hs
+from ..errors import M3Error
 
 VIEW_OPS = frozenset({"reshape", "bitcast", "transpose", "convert"})
 PART_READ_OPS = frozenset({"slice", "dynamic-slice", "gather"})
@@ -62,7 +63,7 @@ KNOWN_CUSTOM_CALLS = frozenset({"AwsNeuronRmsNorm", "AwsNeuronTopK", "AwsNeuronA
                                 "AwsNeuronModuleMarkerStartForward", "AwsNeuronModuleMarkerEndForward"})
 
 
-class HloCostError(ValueError):
+class HloCostError(M3Error, ValueError):
     """A module this analysis cannot read (e.g. no entry computation)."""
 
 

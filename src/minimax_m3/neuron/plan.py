@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import M3Config
+from ..errors import M3Error
 
 GIB = 1024 ** 3
 HBM_PER_RANK_GIB = 24.0  # trn2 at LNC=2: one logical core's share of HBM
@@ -41,7 +42,7 @@ MXFP8_BYTES = 1 + 1 / 32  # e4m3 value + one e8m0 scale per 32 values
 SHARD_ON_I_MULTIPLE = 256  # NxDI SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP (pads I/moe_tp with shard-on-I kernels)
 
 
-class PlanError(ValueError):
+class PlanError(M3Error, ValueError):
     """A layout the model cannot be sharded into."""
 
 
