@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .mapping import skip_reason
+from .pipeline import file_crc
 from .reader import CheckpointError, read_header
 
 
@@ -115,8 +116,6 @@ def audit_conversion(source, plan, out_dir: Path, journal: dict, resumed: int, c
         if problems:
             a.corrupt_shards += problems
         if check:
-            from .convert import file_crc
-
             rec = journal.get(shard, {})
             if file_crc(out_dir / shard) != rec.get("crc32"):
                 a.corrupt_shards.append(f"{shard}: CRC32 differs from the one recorded while writing")

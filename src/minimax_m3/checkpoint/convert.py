@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import shutil
-import zlib
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from ..config import M3Config
 from .direct import DirectFile
-from .pipeline import Opener, ShapeError, write_shard
+from .pipeline import Opener, ShapeError, file_crc, write_shard
 from .mapping import BF16, REFERENCE, RuleTable, _sources, apply_rule, layer_units, target_name, unit_rules
 from .reader import DTYPE_NAMES, INDEX, BufferPool
 from .source import Source
@@ -178,14 +177,6 @@ def _row_tasks(source: Source, rule, unit, c: M3Config, dtype: torch.dtype, pool
         out += [partial(source.get, k, dtype, None, pool, (r, min(r + step, shape[0])))
                 for r in range(0, shape[0], step)]
     return out
-
-
-def file_crc(path: Path, chunk: int = 1 << 24) -> int:
-    crc, buf = 0, bytearray(chunk)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(memoryview(buf)[:n], crc)
-    return crc
 
 
 def _save_json(path: Path, obj) -> None:

@@ -36,6 +36,15 @@ class ShapeError(M3Error, RuntimeError):
     """A tensor whose shape does not match what its mapping rule or target expects."""
 
 
+def file_crc(path: Path, chunk: int = 1 << 24) -> int:
+    """CRC32 of a whole file, read in ``chunk``-byte pieces (the value ``write_shard`` returns for it)."""
+    crc, buf = 0, bytearray(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(memoryview(buf)[:n], crc)
+    return crc
+
+
 def bytes_view(t: torch.Tensor) -> memoryview:
     flat = t.contiguous().reshape(-1)
     if flat.dtype == torch.bool:

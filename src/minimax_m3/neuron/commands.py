@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 def _run(args) -> int:
-    from . import _import
+    from ._sdk import import_neuron_module as _import
     from .compile import check_dry_run
 
     if args.dry_run:
