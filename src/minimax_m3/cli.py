@@ -14,8 +14,9 @@ from pathlib import Path
 from . import storage
 from .checkpoint.reader import CheckpointError
 from .config import ConfigError
-from .engine import BACKENDS, EngineInputError, GenerationConfig, load_engine
+from .engine import TIMING_KEYS, EngineInputError, GenerationConfig, load_engine
 from .neuron import NeuronUnavailableError
+from .spec import EngineSpec, add_engine_options, spec_from_args
 
 # Packages that contribute sub-commands through a ``register(subparsers)`` function.
 COMMAND_MODULES = ("minimax_m3.checkpoint.commands", "minimax_m3.eval.commands", "minimax_m3.neuron.plan",
@@ -48,22 +49,13 @@ def _with_storage(func, inputs: tuple[str, ...], output: str | None):
     return run
 
 
-def _engine_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (or s3://bucket/prefix)")
-    if backend:
-        p.add_argument("--backend", default="reference", choices=BACKENDS)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default=None, help="cpu | cuda (default: the best local device)")
-    p.add_argument("--max-seq-len", type=int, default=4096)
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    add_engine_options(p)
     storage.add_storage_args(p)
 
 
 def _load(args):
-    kw = {"dtype": args.dtype, "max_seq_len": args.max_seq_len}
-    if args.device:
-        kw["device"] = args.device
-    model = storage.resolve(args.model, args.cache_dir)
-    return load_engine(str(model), backend=getattr(args, "backend", "reference"), **kw)
+    return load_engine(spec_from_args(args))
 
 
 def _upload_file(path: Path, uri: str | None) -> None:
@@ -83,7 +75,7 @@ def cmd_golden(args) -> None:
     engine = _load(args)
     t0 = time.perf_counter()
     tensors = compute_golden(engine, prompts, args.decode_steps)
-    meta = {"model": str(args.model), "dtype": args.dtype, "decode_steps": str(args.decode_steps),
+    meta = {"model": str(args.model), "dtype": str(engine.spec.dtype), "decode_steps": str(args.decode_steps),
             "backend": args.backend, "prompts": str(len(prompts))}
     write_golden(tensors, args.out, meta)
     _upload_file(Path(args.out), args.upload)
@@ -120,15 +112,19 @@ def cmd_generate(args) -> None:
 
 
 def _timing(res) -> dict:
-    steps = res.timings.get("decode_step_s", [])
-    med = sorted(steps)[len(steps) // 2] if steps else None
-    return {"prefill_ms": round(res.timings.get("prefill_s", 0) * 1e3, 2),
-            "decode_ms_per_token_median": None if med is None else round(med * 1e3, 2)}
+    """The timing fields every backend reports (milliseconds): queueing, prefill, time to first token, median
+    decode step, total."""
+    t = res.timings
+    steps = sorted(t["decode_step_s"])
+    med = steps[len(steps) // 2] if steps else None
+    ms = {f"{k.removesuffix('_s')}_ms": round(t[k] * 1e3, 2) for k in TIMING_KEYS if k != "decode_step_s"}
+    return {**ms, "decode_ms_per_token_median": None if med is None else round(med * 1e3, 2),
+            "decode_steps": len(steps)}
 
 
 def cmd_demo(args) -> None:
     from .checkpoint.synthetic import write_synthetic
-    from .reference.engine import ReferenceEngine, best_device
+    from .reference.engine import best_device
 
     with tempfile.TemporaryDirectory(prefix="minimax-m3-demo-") as tmp:
         out = Path(args.out) if args.out else Path(tmp) / f"synthetic-{args.preset}"
@@ -137,20 +133,21 @@ def cmd_demo(args) -> None:
         print(f"demo: synthetic '{args.preset}' checkpoint (random weights) written to {out} "
               f"in {time.perf_counter() - t0:.2f} s")
         device = args.device or best_device()
-        engine = ReferenceEngine.from_pretrained(out, device=device, dtype=args.dtype, max_seq_len=4096)
+        engine = load_engine(EngineSpec(model=str(out), backend="reference", device=device, dtype=args.dtype))
         c = engine.config
         tok = _tokenizer(out)
         text = "MiniMax Sparse Attention picks, per query and KV head, the most relevant key blocks. " * 4
         ids = tok(text)["input_ids"]
-        print(f"demo: loaded on {device} ({args.dtype}); {c.num_layers} layers, {c.num_experts} experts top-"
+        print(f"demo: loaded on {device} ({engine.spec.dtype}); {c.num_layers} layers, {c.num_experts} experts top-"
               f"{c.top_k}, sparse attention keeps {c.index_topk} blocks of {c.index_block_size} tokens")
         res = engine.generate([ids], GenerationConfig(max_new_tokens=args.max_new_tokens))[0]
         t = _timing(res)
         blocks = -(-len(ids) // c.index_block_size)
         print(f"demo: prompt {len(ids)} tokens ({blocks} blocks: sparse selection "
               f"{'active' if blocks > c.index_topk else 'keeps every block'})")
-        print(f"demo: prefill {t['prefill_ms']} ms ({len(ids) / max(res.timings['prefill_s'], 1e-9):.0f} tok/s); "
-              f"decode {len(res.tokens)} tokens, median {t['decode_ms_per_token_median']} ms/token")
+        print(f"demo: prefill {t['prefill_ms']} ms ({len(ids) / max(res.timings['prefill_s'], 1e-9):.0f} tok/s), "
+              f"TTFT {t['ttft_ms']} ms; decode {len(res.tokens)} tokens, median {t['decode_ms_per_token_median']} "
+              f"ms/token; total {t['total_ms']} ms")
         print(f"demo: generated ids {res.tokens}")
         print(f"demo: text (random weights, so gibberish): {tok.decode(res.tokens)!r}")
 
@@ -183,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="keep the synthetic checkpoint here (default: a temp dir)")
     p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.set_defaults(func=cmd_demo)
 

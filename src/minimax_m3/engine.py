@@ -10,6 +10,7 @@ EOS and stop sequences, ``return_logits`` and the timing fields. :func:`load_eng
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,9 +18,10 @@ from typing import Protocol, Sequence, Union
 
 import torch
 
-from . import ops
-from .config import ConfigError, M3Config
-from .spec import BACKENDS, EngineSpec
+from . import ops, storage
+from .config import M3Config
+from .errors import M3Error
+from .spec import BACKENDS, EngineSpec, SpecError
 
 __all__ = ["BACKENDS", "Engine", "EngineInputError", "EngineSpec", "GenerationConfig", "GenerationResult",
            "StepOutput", "StepProvider", "TIMING_KEYS", "load_engine", "unpad"]
@@ -28,7 +30,7 @@ __all__ = ["BACKENDS", "Engine", "EngineInputError", "EngineSpec", "GenerationCo
 TIMING_KEYS = ("queue_s", "prefill_s", "ttft_s", "decode_step_s", "total_s")
 
 
-class EngineInputError(ValueError):
+class EngineInputError(M3Error, ValueError):
     """A request the engine cannot serve (empty prompt, prompt too long, ids outside the vocabulary...)."""
 
 
@@ -294,6 +296,8 @@ def load_engine(spec: EngineSpec | str, backend: str | None = None, **kw) -> Eng
         spec = EngineSpec(model=str(spec), backend=backend or "reference", **fields)
     elif backend is not None or kw:
         raise TypeError("load_engine(spec) takes no other arguments; put them in the EngineSpec")
+    if spec.backend in BACKENDS:  # s3:// models are downloaded (or found in the cache) once, here
+        spec = dataclasses.replace(spec, model=str(storage.resolve(spec.model, spec.cache_dir)))
     if spec.backend == "reference":
         from .reference.engine import load_reference
 
@@ -302,4 +306,4 @@ def load_engine(spec: EngineSpec | str, backend: str | None = None, **kw) -> Eng
         from .neuron import load_neuron_engine  # raises one clear error without the Neuron SDK
 
         return load_neuron_engine(spec)
-    raise ConfigError(spec.problems(), source="engine spec")  # names the unknown backend with every other problem
+    raise SpecError(spec.problems())  # names the unknown backend with every other problem

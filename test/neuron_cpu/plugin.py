@@ -83,10 +83,13 @@ def _fill_engine_defaults() -> None:
         return
     original = neuron.load_neuron_engine
 
-    def load_neuron_engine(model, on_cpu=False, **kwargs):
-        if on_cpu:
-            kwargs = neuron_cpu_engine_kwargs(**kwargs)
-        return original(model, on_cpu=on_cpu, **kwargs)
+    def load_neuron_engine(spec):
+        if spec.backend == "neuron-cpu":
+            import dataclasses
+
+            defaults = {"tp": world_size(), "max_batch": DEFAULT_BATCH, "dtype": "float32"}
+            spec = dataclasses.replace(spec, **{k: v for k, v in defaults.items() if getattr(spec, k) is None})
+        return original(spec)
 
     load_neuron_engine._neuron_cpu_defaults = True
     neuron.load_neuron_engine = load_neuron_engine

@@ -4,7 +4,7 @@ Shapes. A prefill call is as wide as its longest prompt (right padding, padding 
 last-token pick ``argmax(position_ids)`` lands on each row's last real token); NxDI's ``ModelWrapper`` pads it on
 to the smallest context-encoding bucket that holds it (``get_target_bucket``, first fit; NxDI's test is strict,
 so a prompt exactly one bucket long takes the next bucket unless it is the largest). Buckets are on by default:
-powers of two from 128 below ``max_context_length``, and that length itself (``compile.context_buckets``).
+powers of two from 128 below ``max_context_length``, and that length itself (``spec.context_buckets``).
 
 Batching. With ``batch_size > 1`` the engine batches continuously, as NxDI does for vLLM
 (``is_continuous_batching``, ``ctx_batch_size=1``): each request is prefilled alone into its own cache row
@@ -21,23 +21,21 @@ off on device, where it costs a ``bucket x vocab`` fp32 output per call (a scori
 
 from __future__ import annotations
 
+import json
 import os
-import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from .. import ops
-from ..config import M3Config
-from ..engine import EngineInputError, GenerationConfig, GenerationResult
-from .compile import context_buckets
+from ..config import ConfigError, M3Config
+from ..engine import Engine, EngineInputError
+from ..spec import EngineSpec, context_buckets
 from .config import MiniMaxM3InferenceConfig, MiniMaxM3NeuronConfig, load_m3_config
 from .model import NeuronMiniMaxM3ForCausalLM, NeuronMiniMaxM3Model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SPEC_FILE = "minimax-m3-spec.json"  # the artifact key a compiled directory was built for
 
 
 def build_neuron_config(tp_degree: int = 1, batch_size: int = 1, max_seq_len: int = 256,
@@ -53,7 +51,7 @@ def build_neuron_config(tp_degree: int = 1, batch_size: int = 1, max_seq_len: in
               seq_len=max_seq_len, max_context_length=ctx,
               torch_dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, padding_side="right",
               moe_tp_degree=tp_degree // moe_ep_degree, moe_ep_degree=moe_ep_degree, on_cpu=on_cpu,
-              enable_bucketing=True, context_encoding_buckets=context_buckets(ctx),
+              enable_bucketing=True, context_encoding_buckets=list(context_buckets(ctx)),
               token_generation_buckets=[max_seq_len], output_logits=False, prefill_all_logits=prefill_all_logits)
     if on_cpu:  # the stand-in kernels cannot run; NxDI's native paths (and ours) are used
         kw.update(attn_kernel_enabled=False, qkv_kernel_enabled=False, mlp_kernel_enabled=False,
@@ -104,68 +102,15 @@ def _to_cpu(app) -> None:
         os.environ["WORLD_SIZE"] = world
 
 
-@dataclass
-class _Request:
-    """One prompt being generated: its next-token logits, position and what it produced so far."""
+class NeuronProvider:
+    """Prefill and decode steps of an NxDI application (compiled, or ``to_cpu()``), for the one generation loop."""
 
-    index: int
-    prompt: list[int]
-    logits: torch.Tensor
-    rng: torch.Generator | None
-    t_admit: float
-    ttft: float
-    tokens: list[int] = field(default_factory=list)
-    steps: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def pos(self) -> int:  # where the last chosen token goes in decode
-        return len(self.prompt) + len(self.tokens) - 1
-
-    def choose(self, gen: GenerationConfig) -> str | None:
-        """Pick the next token from ``logits``; the finish reason once done, else None."""
-        tok = int(self.logits.argmax()) if gen.greedy else \
-            int(ops.sample(self.logits[None], gen.temperature, gen.top_k, gen.top_p, self.rng)[0])
-        self.tokens.append(tok)
-        if gen.return_logits:
-            self.steps.append(self.logits)
-        if tok in gen.eos_token_ids:
-            return "eos"
-        if any(s and tuple(self.tokens[-len(s):]) == tuple(s) for s in gen.stop_sequences):
-            return "stop"
-        return "length" if len(self.tokens) == gen.max_new_tokens else None
-
-    def result(self, reason: str, gen: GenerationConfig) -> GenerationResult:
-        return GenerationResult(tokens=self.tokens, finish_reason=reason, prompt_len=len(self.prompt),
-                                step_logits=torch.stack(self.steps) if gen.return_logits else None,
-                                timings={"ttft_s": self.ttft, "total_s": time.perf_counter() - self.t_admit})
-
-
-class NeuronEngine:
     def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config):
         self.app, self.config = app, config
         nc = app.neuron_config
-        self.batch, self.ctx_len, self.max_seq_len = nc.batch_size, nc.max_context_length, nc.seq_len
+        self.max_batch, self.max_context_len, self.max_seq_len = nc.batch_size, nc.max_context_length, nc.seq_len
         self.continuous = bool(nc.is_continuous_batching)
 
-    @classmethod
-    def from_pretrained(cls, model: str, on_cpu: bool = False, compiled_path: str | None = None, **kwargs):
-        kwargs.pop("device", None)
-        if "max_batch_size" in kwargs:
-            kwargs["batch_size"] = kwargs.pop("max_batch_size")
-        kwargs.setdefault("prefill_all_logits", on_cpu)
-        nc = build_neuron_config(on_cpu=on_cpu, **kwargs)
-        config = MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(model))
-        app = application(model, config)
-        if on_cpu:
-            _to_cpu(app)
-        else:
-            path = compiled_path or str(Path(model) / "neuron-compiled")
-            if not (Path(path) / "model.pt").is_file():
-                app.compile(path)
-            app.load(path)
-        return cls(app, config.m3_config())
-
-    # ---- NxDI calls ------------------------------------------------------------------------------
     # no autograd: in CPU mode the weights require grad and the caches chain every step's graph (~250 MB
     # per tiny-model prefill kept alive, unbounded); on device the traced graph has none.
     @torch.no_grad()
@@ -186,92 +131,116 @@ class NeuronEngine:
             return list(logits)
         return [logits[r, : len(row)] for r, row in enumerate(rows)]
 
-    def _prefill(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Last-token logits ``[len(rows), V]`` of up to ``batch`` rows, row r written to cache row r: one call
-        per row with continuous batching, one call for all (padded to ``batch``) without."""
+    def _static(self, rows: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """One call for up to ``batch`` rows (padded to ``batch``), row r written to cache row r."""
+        padded = list(rows) + [rows[0]] * (self.max_batch - len(rows))
+        return self._context(padded, torch.arange(self.max_batch))[: len(rows)]
+
+    def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int = 0) -> torch.Tensor:
+        """Last-token logits ``[n, V]``: one call per prompt into its slot (continuous batching), or one call for
+        the whole group into slots ``0..n-1`` (static batching)."""
         if self.continuous:
-            out = [self._context([row], torch.tensor([r]))[0] for r, row in enumerate(rows)]
+            out = [self._context([row], torch.tensor([r]))[0] for row, r in zip(prompts, slots)]
         else:
-            padded = list(rows) + [rows[0]] * (self.batch - len(rows))
-            out = self._context(padded, torch.arange(self.batch))[: len(rows)]
+            if slots != list(range(len(prompts))):
+                raise EngineInputError(f"static batching prefills a whole group into slots 0..n-1, got {slots}")
+            out = self._static(prompts)
         return torch.stack([x[-1] for x in out])
 
     @torch.no_grad()
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.app(input_ids=tokens.view(-1, 1), position_ids=positions.view(-1, 1),
-                       seq_ids=torch.arange(self.batch))
-        return out.logits[:, -1].float()
+    def decode(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """Every cache row decodes (row r = slot r); idle rows a dummy token at position 1 of their own row (never
+        0: prefill). Hook for on-device sampling: return a :class:`minimax_m3.engine.StepOutput` with token ids."""
+        feed, pos = torch.zeros(self.max_batch, dtype=torch.long), torch.ones(self.max_batch, dtype=torch.long)
+        feed[slots], pos[slots] = torch.tensor(tokens), torch.tensor(positions)
+        out = self.app(input_ids=feed.view(-1, 1), position_ids=pos.view(-1, 1), seq_ids=torch.arange(self.max_batch))
+        return out.logits[:, -1].float()[slots]
 
-    def _check(self, prompts, new_tokens: int = 0):
-        if not prompts:
-            raise EngineInputError("give at least one prompt")
-        for p in prompts:
-            if not 0 < len(p) <= self.ctx_len:
-                raise EngineInputError(f"prompt length {len(p)} outside 1..{self.ctx_len} (max_context_length)")
-            if len(p) + new_tokens > self.max_seq_len:
-                raise EngineInputError(f"prompt ({len(p)}) + max_new_tokens ({new_tokens}) exceeds max_seq_len "
-                                       f"{self.max_seq_len}")
-
-    # ---- Engine protocol -------------------------------------------------------------------------
-    def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Teacher-forced prefill logits at every position: one prefill per prompt (per ``batch`` prompts with
-        static batching) on a ``prefill_all_logits`` build."""
-        self._check(prompts)
+    def prefill_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Every position's logits: one prefill per prompt (per group with static batching) on a
+        ``prefill_all_logits`` build."""
         if not self.app.neuron_config.prefill_all_logits:
             raise EngineInputError("this build's prefill returns the last position only; score prompts on a "
                                    "build with prefill_all_logits=True (minimax-m3 compile --all-logits)")
         if self.continuous:
             return [self._context([p], torch.tensor([0]))[0] for p in prompts]
-        out: list[torch.Tensor] = []
-        for i in range(0, len(prompts), self.batch):
-            rows = list(prompts[i:i + self.batch])
-            padded = rows + [rows[0]] * (self.batch - len(rows))
-            out.extend(self._context(padded, torch.arange(self.batch))[: len(rows)])
-        return out
+        return self._static(prompts)
 
-    def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig) -> list[GenerationResult]:
-        """Greedy or sampled generation; each sequence gets the tokens it would get alone (sampling: one
-        generator per sequence, seeded alike, as the reference backend)."""
-        self._check(prompts, gen.max_new_tokens)
-        results: list[GenerationResult | None] = [None] * len(prompts)
-        waiting = deque(range(len(prompts)))
-        slots: list[_Request | None] = [None] * self.batch
-        while waiting or any(slots):
-            self._admit(prompts, gen, waiting, slots)
-            for r, req in enumerate(slots):
-                reason = req.choose(gen) if req else None
-                if reason:
-                    results[req.index], slots[r] = req.result(reason, gen), None
-            if not any(slots):
-                continue
-            idle = 1  # idle rows decode a dummy token at position 1 of their own cache row (never 0: prefill)
-            feed = torch.tensor([req.tokens[-1] if req else 0 for req in slots])
-            pos = torch.tensor([req.pos if req else idle for req in slots])
-            logits = self._decode(feed, pos)
-            for r, req in enumerate(slots):
-                if req:
-                    req.logits = logits[r]
-        return results
 
-    def _admit(self, prompts, gen: GenerationConfig, waiting: deque, slots: list) -> None:
-        """Fill free slots with waiting prompts: every free slot, one prefill each (continuous batching), or a
-        whole group once every slot is free (static batching)."""
-        free = [r for r, req in enumerate(slots) if req is None]
-        if not waiting or (not self.continuous and len(free) < self.batch):
-            return
-        take = [(r, waiting.popleft()) for r in free[: len(waiting)]]
-        t0 = time.perf_counter()
-        if self.continuous:
-            for r, i in take:
-                t1 = time.perf_counter()
-                logits = self._context([prompts[i]], torch.tensor([r]))[0][-1]
-                slots[r] = self._request(i, prompts[i], logits, gen, t1)
-        else:
-            logits = self._prefill([prompts[i] for _, i in take])
-            for (r, i), row in zip(take, logits):
-                slots[r] = self._request(i, prompts[i], row, gen, t0)
+class NeuronEngine(Engine):
+    """The generation loop over a :class:`NeuronProvider` (``engine.app`` is the NxDI application)."""
 
-    @staticmethod
-    def _request(i: int, prompt, logits: torch.Tensor, gen: GenerationConfig, t0: float) -> _Request:
-        rng = None if gen.greedy else torch.Generator().manual_seed(0 if gen.seed is None else gen.seed)
-        return _Request(i, list(prompt), logits, rng, t0, time.perf_counter() - t0)
+    def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config, spec: EngineSpec | None = None):
+        super().__init__(NeuronProvider(app, config), spec)
+        self.app = app
+
+    @classmethod
+    def from_pretrained(cls, model: str, on_cpu: bool = False, **kwargs) -> "NeuronEngine":
+        """Keyword form of :func:`load` (``build_neuron_config``'s names: ``tp_degree``, ``batch_size``...)."""
+        from ..engine import load_engine
+
+        return load_engine(model, backend="neuron-cpu" if on_cpu else "neuron", **kwargs)
+
+
+def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
+    """NxDI's config of a resolved ``spec`` (the one translation, used by load, compile and the dry run)."""
+    on_cpu = spec.backend == "neuron-cpu"
+    kw = dict(tp_degree=spec.tp, moe_ep_degree=spec.ep, batch_size=spec.max_batch, max_seq_len=spec.max_seq_len,
+              max_context_length=spec.max_context_len, dtype=spec.dtype, on_cpu=on_cpu,
+              continuous_batching=spec.continuous_batching, prefill_all_logits=spec.all_logits,
+              context_encoding_buckets=list(spec.context_buckets), token_generation_buckets=list(spec.token_buckets))
+    if not on_cpu:
+        kw.update(logical_nc_config=spec.lnc, save_sharded_checkpoint=True, attn_kernel_enabled=False)
+    kw.update(extra)
+    return build_neuron_config(**kw)
+
+
+def inference_config(spec: EngineSpec, **extra) -> MiniMaxM3InferenceConfig:
+    """The NxDI inference config of a resolved ``spec``; ``validate_config``'s problems as one :class:`ConfigError`
+    (the CLI prints it and exits 2)."""
+    try:
+        return MiniMaxM3InferenceConfig(neuron_config(spec, **extra), load_config=load_m3_config(spec.model))
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError([str(exc)], source=f"engine spec ({spec.backend})") from None
+
+
+def check_artifact(spec: EngineSpec, path: str) -> None:
+    """An artifact directory compiled for another spec is refused, naming every field that differs."""
+    saved = Path(path) / SPEC_FILE
+    if not saved.is_file():
+        return
+    have, want = json.loads(saved.read_text()), spec.artifact_key()
+    diff = [f"{k}: compiled for {have.get(k)!r}, asked for {want[k]!r}" for k in want if have.get(k) != want[k]]
+    if diff:
+        raise ConfigError(diff + [f"compile it again for these options, or pass the options it was compiled for "
+                                  f"({path}/{SPEC_FILE})"], source=f"compiled artifact {path}")
+
+
+def write_artifact_spec(spec: EngineSpec, path: str) -> None:
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tmp = Path(path) / f".{SPEC_FILE}.tmp"
+    tmp.write_text(json.dumps(spec.artifact_key(), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, Path(path) / SPEC_FILE)
+
+
+def load(spec: EngineSpec, compile_missing: bool = True) -> NeuronEngine:
+    """The neuron engine of a validated, resolved ``spec``: NxDI's CPU mode (``neuron-cpu``), or the NEFFs at
+    ``spec.artifact_dir()`` (compiled there first when missing and ``compile_missing``)."""
+    config = inference_config(spec)
+    app = application(spec.model, config)
+    if spec.backend == "neuron-cpu":
+        _to_cpu(app)
+    else:
+        path = spec.artifact_dir()
+        check_artifact(spec, path)
+        if not (Path(path) / "model.pt").is_file():
+            if not compile_missing:
+                raise ConfigError([f"no compiled model at {path}: run `minimax-m3 compile` with the same options "
+                                   "(or pass --compiled DIR)"], source="neuron")
+            print(f"neuron: no compiled model at {path}; compiling it (minimax-m3 compile does this ahead of time)")
+            app.compile(path)
+            write_artifact_spec(spec, path)
+        app.load(path)
+    return NeuronEngine(app, config.m3_config(), spec)

@@ -1,17 +1,20 @@
-"""The reference backend behind the `Engine` interface: batched prefill, cached decode, sampling."""
+"""The reference backend as a step provider of the one generation loop (:class:`minimax_m3.engine.Engine`).
+
+Static batching: a group of up to ``max_batch`` prompts is prefilled together (aligned at position 0, right-padded)
+into a cache sized for the group; decode runs every row of the group, finished rows at a dummy position of their
+own row, until the group is done and the next one is admitted.
+"""
 
 from __future__ import annotations
 
-import os
-import time
+import dataclasses
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
-from .. import ops
 from ..config import M3Config
-from ..engine import EngineInputError, GenerationConfig, GenerationResult
+from ..engine import Engine, EngineInputError
+from ..spec import EngineSpec
 from .loader import load_model
 from .model import M3Model
 from .parallel import ShardPlan, init_distributed
@@ -35,62 +38,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-class ReferenceEngine:
-    """Pure-PyTorch engine. ``max_seq_len`` bounds prompt + generated tokens per sequence."""
+class ReferenceProvider:
+    """Prefill and decode steps of an :class:`M3Model` (one group of sequences at a time)."""
 
-    def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256):
+    continuous = False
+
+    def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch: int = 8, tile: int = 256):
         self.model = model
         self.config: M3Config = model.config
         self.device = model.lm_head.weight.device
-        self.dtype = model.lm_head.weight.dtype
         self.max_seq_len = min(max_seq_len, self.config.max_position_embeddings)
-        self.max_batch_size = max_batch_size
+        self.max_context_len = self.max_seq_len
+        self.max_batch = max_batch
         self.tile = tile
+        self._cache, self._rows = None, 0
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | None = None, dtype: str | torch.dtype = "float32",
-                        max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
-                        plan: ShardPlan | None = None) -> "ReferenceEngine":
-        """``plan``: this rank's tensor/expert-parallel slice; every rank of the process group must then make the same
-        calls with the same inputs. Under ``torchrun`` (``WORLD_SIZE > 1``) without a plan, the process group is
-        joined here with ``ep = $MINIMAX_M3_EP`` (default 1) and ``device`` None/"cuda" becomes this rank's GPU."""
-        if plan is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            plan, rank_device = init_distributed(ep=int(os.environ.get("MINIMAX_M3_EP", "1")))
-            device = rank_device if device in (None, "cuda") else device
-        device = device or best_device()
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise EngineInputError("device 'cuda' requested but no CUDA device is available; use --device cpu")
-        model = load_model(path, device=device, dtype=resolve_dtype(dtype, device), plan=plan)
-        return cls(model, max_seq_len=max_seq_len, max_batch_size=max_batch_size, tile=tile)
-
-    # ---- input checks --------------------------------------------------------------------
-    def _check(self, prompts: Sequence[Sequence[int]], extra: int) -> list[list[int]]:
-        if len(prompts) == 0:
-            raise EngineInputError("no prompts given")
-        out = []
-        for i, p in enumerate(prompts):
-            p = [int(t) for t in p]
-            if not p:
-                raise EngineInputError(f"prompt {i} is empty; give at least one token (e.g. the BOS id)")
-            bad = [t for t in p if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise EngineInputError(
-                    f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
-                )
-            if len(p) + extra > self.max_seq_len:
-                raise EngineInputError(
-                    f"prompt {i} has {len(p)} tokens; with {extra} new tokens that exceeds max_seq_len="
-                    f"{self.max_seq_len}. Shorten the prompt or raise max_seq_len (--max-seq-len)"
-                )
-            out.append(p)
-        return out
-
-    def _batches(self, prompts: list[list[int]]):
-        for s in range(0, len(prompts), self.max_batch_size):
-            yield prompts[s:s + self.max_batch_size]
-
-    def _prefill(self, prompts: list[list[int]], cache_len: int, all_logits: bool):
-        """Prefill a batch aligned at position 0 (right-padded internally)."""
+    def _forward(self, prompts: list[list[int]], cache_len: int, all_logits: bool):
+        """Prefill a batch aligned at position 0 (right-padded) into a new cache of ``cache_len`` positions."""
         b, s = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(b, s, dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -99,84 +63,71 @@ class ReferenceEngine:
         positions = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
         cache = self.model.new_cache(b, cache_len, tile=self.tile)
         last = None if all_logits else torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        logits = self.model(ids, positions, cache, s, decode=False, logits_at=last)
-        return logits, cache
+        return self.model(ids, positions, cache, s, decode=False, logits_at=last), cache
 
-    # ---- Engine interface ----------------------------------------------------------------
-    def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        prompts = self._check(prompts, 0)
-        out: list[torch.Tensor] = []
-        for batch in self._batches(prompts):
-            logits, _ = self._prefill(batch, max(len(p) for p in batch), all_logits=True)
-            out.extend(logits[i, :len(p)].cpu() for i, p in enumerate(batch))
-        return out
-
-    def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig) -> list[GenerationResult]:
-        prompts = self._check(prompts, gen.max_new_tokens)
-        results: list[GenerationResult] = []
-        for batch in self._batches(prompts):
-            results.extend(self._generate_batch(batch, gen))
-        return results
-
-    def _generate_batch(self, prompts: list[list[int]], gen: GenerationConfig):
-        b = len(prompts)
-        lens = [len(p) for p in prompts]
-        cache_len = max(lens) + gen.max_new_tokens
-        gens = None
-        if not gen.greedy:  # one generator per sequence, all seeded alike: a sequence samples the same
-            seed = 0 if gen.seed is None else gen.seed  # tokens alone or in any batch
-            gens = [torch.Generator(device=self.device).manual_seed(seed) for _ in range(b)]
-        t0 = time.perf_counter()
-        logits, cache = self._prefill(prompts, cache_len, all_logits=False)
-        logits = logits[:, 0]
+    def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int) -> torch.Tensor:
+        if slots != list(range(len(prompts))):
+            raise EngineInputError(f"the reference backend prefills a whole group into slots 0..n-1, got {slots}")
+        logits, self._cache = self._forward(prompts, max_len, all_logits=False)
+        self._rows = len(prompts)
         self._sync()
-        prefill_s = time.perf_counter() - t0
-        tokens: list[list[int]] = [[] for _ in range(b)]
-        kept: list[list[torch.Tensor]] = [[] for _ in range(b)]
-        finish = [None] * b
-        step_s: list[float] = []
-        for step in range(gen.max_new_tokens):
-            nxt = self._choose(logits, gen, gens)
-            for i in range(b):
-                if finish[i] is not None:
-                    continue
-                if gen.return_logits:
-                    kept[i].append(logits[i].float().cpu())
-                tokens[i].append(nxt[i])
-                finish[i] = _finished(tokens[i], gen)
-            if all(f is not None for f in finish) or step == gen.max_new_tokens - 1:
-                break
-            t1 = time.perf_counter()
-            pos = [lens[i] + step for i in range(b)]
-            positions = torch.tensor(pos, device=self.device).unsqueeze(1)
-            ids = torch.tensor(nxt, device=self.device).unsqueeze(1)
-            logits = self.model(ids, positions, cache, max(pos) + 1, decode=True)[:, 0]
-            self._sync()
-            step_s.append(time.perf_counter() - t1)
-        out = []
-        for i in range(b):
-            out.append(GenerationResult(
-                tokens=tokens[i], finish_reason=finish[i] or "length", prompt_len=lens[i],
-                step_logits=torch.stack(kept[i]) if gen.return_logits else None,
-                timings={"prefill_s": prefill_s, "decode_step_s": step_s},
-            ))
-        return out
+        return logits[:, 0]
 
-    def _choose(self, logits: torch.Tensor, gen: GenerationConfig, gens) -> list[int]:
-        if gens is None:
-            return logits.argmax(dim=-1).tolist()
-        return [int(ops.sample(logits[i:i + 1], gen.temperature, gen.top_k, gen.top_p, gens[i])[0])
-                for i in range(logits.shape[0])]
+    def decode(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        ids, pos = [0] * self._rows, [0] * self._rows  # finished rows: a dummy token in their own row
+        for t, p, r in zip(tokens, positions, slots):
+            ids[r], pos[r] = t, p
+        positions_t = torch.tensor(pos, device=self.device).unsqueeze(1)
+        ids_t = torch.tensor(ids, device=self.device).unsqueeze(1)
+        logits = self.model(ids_t, positions_t, self._cache, max(pos) + 1, decode=True)[:, 0]
+        self._sync()
+        return logits[torch.tensor(slots, device=self.device)]
+
+    def prefill_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        logits, _ = self._forward(prompts, max(len(p) for p in prompts), all_logits=True)
+        return [logits[i, :len(p)].float().cpu() for i, p in enumerate(prompts)]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
 
-def _finished(tokens: list[int], gen: GenerationConfig) -> str | None:
-    if tokens[-1] in gen.eos_token_ids:
-        return "eos"
-    for stop in gen.stop_sequences:
-        if stop and len(tokens) >= len(stop) and tuple(tokens[-len(stop):]) == tuple(stop):
-            return "stop"
-    return None
+class ReferenceEngine(Engine):
+    """The generation loop over a :class:`ReferenceProvider` (``engine.model`` is the torch model)."""
+
+    def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
+                 spec: EngineSpec | None = None):
+        super().__init__(ReferenceProvider(model, max_seq_len, max_batch_size, tile), spec)
+        self.model, self.device, self.dtype = model, self.provider.device, model.lm_head.weight.dtype
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | None = None, dtype: str | torch.dtype | None = None,
+                        max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
+                        plan: ShardPlan | None = None) -> "ReferenceEngine":
+        """Keyword form of :func:`load_reference`. ``plan``: this rank's tensor/expert-parallel slice (every rank
+        of the process group must then make the same calls with the same inputs)."""
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        spec = EngineSpec(model=str(path), backend="reference", device=device, dtype=dtype, max_seq_len=max_seq_len,
+                          max_batch=max_batch_size, tile=tile)
+        if plan is not None:
+            return load_reference(spec, plan=plan)
+        from ..engine import load_engine
+
+        return load_engine(spec)
+
+
+def load_reference(spec: EngineSpec, plan: ShardPlan | None = None) -> ReferenceEngine:
+    """The reference engine of ``spec``. Under ``torchrun`` (``WORLD_SIZE > 1``) without a ``plan`` the process
+    group is joined here with ``spec.ep`` (whose default is ``$MINIMAX_M3_EP``) and device None/"cuda" becomes
+    this rank's GPU."""
+    path = spec.model  # local (load_engine resolves s3:// first)
+    config = M3Config.from_pretrained(path)
+    resolved = spec.validate(config)
+    if plan is None and resolved.tp > 1:
+        plan, rank_device = init_distributed(ep=resolved.ep)
+        device = rank_device if spec.device in (None, "cuda") else spec.device
+        resolved = dataclasses.replace(resolved, device=device)
+    model = load_model(path, device=resolved.device, dtype=resolve_dtype(resolved.dtype, resolved.device),
+                       config=config, plan=plan)
+    return ReferenceEngine(model, resolved.max_seq_len, resolved.max_batch, resolved.tile, spec=resolved)

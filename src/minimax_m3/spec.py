@@ -1,0 +1,306 @@
+"""``EngineSpec``: one typed description of an engine to load (backend, model, lengths, batch, layout, buckets,
+compiled artifacts), its per-backend defaults, its validation and the command-line options that build it.
+
+A leaf module (imports only the standard library, torch lazily, and :mod:`minimax_m3.config`): the engine, the
+backends and every command read it. Defaults are resolved in one place, :meth:`EngineSpec.resolve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from .config import ConfigError, M3Config
+from .errors import M3Error
+
+BACKENDS = ("reference", "neuron", "neuron-cpu")
+DTYPES = ("float32", "bfloat16")
+# prefill buckets: powers of two from 128, cut below the context length, which is added (NxDI's generate_buckets)
+DEFAULT_CONTEXT_BUCKETS = tuple(2 ** i for i in range(7, 21))
+TRN2_LAYOUT = {"tp": 64, "lnc": 2}  # trn2.48xlarge: 64 logical NeuronCores of 2 physical cores; ep defaults to tp
+# the fields that change the compiled NEFFs (and so name the artifact directory)
+ARTIFACT_FIELDS = ("tp", "ep", "lnc", "dtype", "max_batch", "max_seq_len", "max_context_len", "context_buckets",
+                   "token_buckets", "continuous_batching", "all_logits", "on_device_sampling")
+
+
+class SpecError(ConfigError):
+    """An engine spec the backend cannot run: every problem, found before any work."""
+
+    def __init__(self, problems, source: str = "engine spec"):
+        problems = [problems] if isinstance(problems, str) else list(problems)
+        M3Error.__init__(self, problems, f"{source}: {len(problems)} problem(s):")
+
+
+def _neuron(backend: str) -> bool:
+    return backend in ("neuron", "neuron-cpu")
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def default_buckets(limit: int, candidates) -> tuple[int, ...]:
+    """``candidates`` below ``limit``, then ``limit`` itself."""
+    return tuple(sorted({b for b in candidates if b < limit} | {limit}))
+
+
+def context_buckets(max_context_len: int) -> tuple[int, ...]:
+    """The default context-encoding (prefill) buckets for prompts of up to ``max_context_len`` tokens."""
+    return default_buckets(max_context_len, DEFAULT_CONTEXT_BUCKETS)
+
+
+def token_buckets(seq_len: int, block_size: int) -> tuple[int, ...]:
+    """The default decode buckets: ``block_size`` times powers of two from the first multiple of it >= 128 (NxDI's
+    smallest token-generation bucket), those below ``seq_len``, and ``seq_len``: every one a multiple of the
+    indexer block when ``seq_len`` is."""
+    out, b = [], block_size * -(-128 // block_size)
+    while b < seq_len:
+        out.append(b)
+        b *= 2
+    return tuple(out + [seq_len])
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything that decides which engine :func:`minimax_m3.load_engine` builds. ``None`` means the backend's
+    default, filled in by :meth:`resolve` (see the README's "Engine spec" table)."""
+
+    model: str  # checkpoint directory or s3://bucket/prefix
+    backend: str = "reference"
+    device: str | None = None  # reference: cpu | cuda | cuda:N (default: the best local one)
+    dtype: str | None = None  # float32 | bfloat16 (default: bfloat16 on neuron and CUDA, float32 on CPU)
+    max_seq_len: int = 4096  # prompt + generated tokens per sequence (neuron: the KV cache length)
+    max_context_len: int | None = None  # longest prompt (neuron: max_context_length); default max_seq_len
+    max_batch: int | None = None  # sequences decoded together (default: 8 reference, 1 neuron)
+    tp: int | None = None  # tensor parallel degree (neuron: 64; neuron-cpu and reference: torchrun's WORLD_SIZE)
+    ep: int | None = None  # expert parallel degree (neuron: tp; reference: $MINIMAX_M3_EP under torchrun, else 1)
+    lnc: int | None = None  # logical NeuronCore config (neuron: 2 on trn2; neuron-cpu: 1)
+    context_buckets: tuple[int, ...] | None = None  # neuron prefill buckets (default: context_buckets())
+    token_buckets: tuple[int, ...] | None = None  # neuron decode buckets (default: token_buckets())
+    compiled: str | None = None  # neuron: the artifact directory (default: under the model, named by the spec)
+    continuous_batching: bool | None = None  # neuron: one prefill per request into its slot (default: max_batch > 1)
+    all_logits: bool | None = None  # neuron: prefill returns every position's logits (default: on in CPU mode)
+    on_device_sampling: bool = False  # neuron: decode returns chosen ids (the loop then samples nothing)
+    tile: int = 256  # reference: prefill query tile
+    cache_dir: str | None = None  # where s3:// models are downloaded
+
+    # ---- defaults ---------------------------------------------------------------------------------------------
+    def resolve(self, config: M3Config | None = None) -> "EngineSpec":
+        """A copy with every backend default filled in; bucket defaults need the model's ``config`` (indexer
+        block). The one place defaults live."""
+        b, neuron = self.backend, _neuron(self.backend)
+        device = self.device
+        if b == "reference" and device is None:
+            device = _best_device()
+        dtype = self.dtype
+        if dtype is None:
+            dtype = "bfloat16" if b == "neuron" or (device or "").startswith("cuda") else "float32"
+        tp = self.tp
+        if tp is None:
+            tp = TRN2_LAYOUT["tp"] if b == "neuron" else _world_size()
+        ep = self.ep
+        if ep is None:
+            ep = tp if b == "neuron" else int(os.environ.get("MINIMAX_M3_EP", "1") or 1) if _world_size() > 1 else 1
+        lnc = self.lnc if self.lnc is not None else (TRN2_LAYOUT["lnc"] if b == "neuron" else 1)
+        batch = self.max_batch if self.max_batch is not None else (1 if neuron else 8)
+        ctx = self.max_context_len or self.max_seq_len
+        kw = dict(device=device, dtype=dtype, tp=tp, ep=ep, lnc=lnc, max_batch=batch, max_context_len=ctx)
+        if neuron:
+            kw["continuous_batching"] = batch > 1 if self.continuous_batching is None else self.continuous_batching
+            kw["all_logits"] = (b == "neuron-cpu") if self.all_logits is None else self.all_logits
+            kw["context_buckets"] = tuple(sorted(self.context_buckets)) if self.context_buckets else \
+                context_buckets(ctx)
+            if self.token_buckets:
+                kw["token_buckets"] = tuple(sorted(self.token_buckets))
+            elif config is not None:
+                kw["token_buckets"] = token_buckets(self.max_seq_len, config.index_block_size)
+        return dataclasses.replace(self, **kw)
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def problems(self, config: M3Config | None = None) -> list[str]:
+        """Every reason this spec cannot run (on the resolved spec; ``config``: the model's, for layout rules)."""
+        s = self.resolve(config)
+        out: list[str] = []
+        neuron = _neuron(s.backend)
+        if s.backend not in BACKENDS:
+            out.append(f"unknown backend {s.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if s.dtype not in DTYPES:
+            out.append(f"unknown dtype {s.dtype!r}: choose float32 or bfloat16 (--dtype)")
+        for name, value in (("max_seq_len (--max-seq-len)", s.max_seq_len), ("max_batch (--batch)", s.max_batch),
+                            ("tp (--tp)", s.tp), ("ep (--ep)", s.ep), ("lnc (--lnc)", s.lnc), ("tile", s.tile)):
+            if value < 1:
+                out.append(f"{name} must be >= 1, got {value}")
+        if s.max_context_len > s.max_seq_len:
+            out.append(f"max_context_len {s.max_context_len} exceeds max_seq_len {s.max_seq_len}: a prompt must fit "
+                       "the cache (lower --max-context-len or raise --max-seq-len)")
+        if min(s.tp, s.ep) >= 1 and (s.ep > s.tp or s.tp % s.ep):
+            out.append(f"ep {s.ep} must divide tp {s.tp} (expert parallelism splits the tensor-parallel ranks)")
+        if s.backend == "reference":
+            out += s._reference_problems()
+        if neuron:
+            out += s._neuron_problems(config)
+        if config is not None and min(s.tp, s.ep) >= 1:
+            out += s._layout_problems(config)
+        return out
+
+    def validate(self, config: M3Config | None = None) -> "EngineSpec":
+        """The resolved spec, or one :class:`ConfigError` listing every problem. Without ``config`` a local
+        model's config.json is read (when it exists) for the layout rules."""
+        if config is None and self.model and not str(self.model).startswith("s3://"):
+            try:
+                config = M3Config.from_pretrained(self.model)
+            except (ConfigError, OSError):
+                config = None  # reported by the loader with its own message
+        problems = self.problems(config)
+        if problems:
+            raise SpecError(problems, source=f"engine spec (--backend {self.backend})")
+        return self.resolve(config)
+
+    def _reference_problems(self) -> list[str]:
+        out = []
+        for name in ("context_buckets", "token_buckets", "compiled", "continuous_batching", "all_logits"):
+            if getattr(self, name) not in (None, False):
+                out.append(f"{name} applies to the neuron backends only; drop it for --backend reference")
+        if self.on_device_sampling:
+            out.append("on_device_sampling applies to the neuron backend only")
+        if self.lnc not in (None, 1):
+            out.append("lnc applies to the neuron backend only")
+        world = _world_size()
+        if self.tp not in (None, world):
+            out.append(f"reference tp {self.tp} must equal the number of processes (WORLD_SIZE {world}): run "
+                       f"`torchrun --nproc-per-node {self.tp} ...`")
+        if (self.device or "").startswith("cuda") and not _cuda_available():
+            out.append(f"device {self.device!r} requested but no CUDA device is available; use --device cpu")
+        return out
+
+    def _neuron_problems(self, config: M3Config | None) -> list[str]:
+        out = []
+        if self.device not in (None, "cpu") and self.backend == "neuron-cpu" or \
+                self.device is not None and self.backend == "neuron":
+            out.append(f"--device {self.device} applies to the reference backend; the neuron backends run on "
+                       "NeuronCores (neuron) or NxDI's CPU mode (neuron-cpu)")
+        if self.lnc not in (1, 2):
+            out.append(f"lnc must be 1 or 2 (trn2: 2), got {self.lnc}")
+        if self.backend == "neuron-cpu" and self.ep != 1:
+            out.append(f"ep {self.ep}: expert parallelism cannot run in NxDI's CPU mode; use ep 1")
+        if self.backend == "neuron-cpu" and self.compiled:
+            out.append("compiled applies to --backend neuron (CPU mode compiles nothing)")
+        if importlib.util.find_spec("neuronx_distributed_inference") is None:
+            hint = ("set NXDI_SRC and NXD_SRC and run through the stand-ins (README, 'NxDI CPU mode')"
+                    if self.backend == "neuron-cpu" else "install the Neuron SDK 2.29 (README, 'Install')")
+            out.append(f"backend {self.backend} needs NxD Inference importable: {hint}")
+        too_long = [b for b in self.context_buckets or () if b > self.max_context_len]
+        if too_long:
+            out.append(f"context buckets {list(too_long)} exceed max_context_len {self.max_context_len}: drop them "
+                       "or raise --max-context-len")
+        tkg = self.token_buckets or ()
+        if [b for b in tkg if b > self.max_seq_len]:
+            out.append(f"token buckets {[b for b in tkg if b > self.max_seq_len]} exceed max_seq_len "
+                       f"{self.max_seq_len}: drop them or raise --max-seq-len")
+        if config is not None and any(config.sparse_layers) and [b for b in tkg if b % config.index_block_size]:
+            out.append(f"token buckets {list(tkg)} must be multiples of the indexer block {config.index_block_size} "
+                       "(sparse decode reads the caches by whole blocks): choose --token-buckets and --max-seq-len "
+                       "accordingly")
+        return out
+
+    def _layout_problems(self, c: M3Config) -> list[str]:
+        out = []
+        if c.num_heads % self.tp:
+            out.append(f"tp {self.tp} does not divide the {c.num_heads} attention heads")
+        g = c.num_kv_heads
+        if self.tp % g and g % self.tp:
+            out.append(f"tp {self.tp} and {g} KV heads: one must divide the other")
+        if c.num_experts % self.ep:
+            out.append(f"ep {self.ep} does not divide the {c.num_experts} experts")
+        if self.max_seq_len > c.max_position_embeddings:
+            out.append(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
+                       f"{c.max_position_embeddings}")
+        return out
+
+    # ---- compiled artifacts -----------------------------------------------------------------------------------
+    def artifact_key(self) -> dict:
+        """What changes the NEFFs, as JSON-ready values (of the resolved spec)."""
+        return {f: (list(v) if isinstance(v, tuple) else v) for f in ARTIFACT_FIELDS for v in [getattr(self, f)]}
+
+    def artifact_dir(self, config: M3Config | None = None) -> str:
+        """Where ``minimax-m3 compile`` writes this spec's NEFFs and where ``--backend neuron`` loads them:
+        ``--compiled`` as given, else ``<model>/neuron-tp{tp}-ep{ep}-lnc{lnc}-{dtype}-b{batch}-s{seq}-{hash}``, the
+        hash covering every field of :data:`ARTIFACT_FIELDS` (buckets, all-logits...)."""
+        if self.compiled:
+            return str(self.compiled)
+        s = self.resolve(config)
+        digest = hashlib.sha256(json.dumps(s.artifact_key(), sort_keys=True).encode()).hexdigest()[:10]
+        dt = {"bfloat16": "bf16", "float32": "fp32"}.get(s.dtype, s.dtype)
+        name = f"neuron-tp{s.tp}-ep{s.ep}-lnc{s.lnc}-{dt}-b{s.max_batch}-s{s.max_seq_len}-{digest}"
+        return f"{str(self.model).rstrip('/')}/{name}"
+
+    def to_json(self) -> dict:
+        return {f.name: (list(v) if isinstance(v, tuple) else v)
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+
+
+def _best_device() -> str:
+    return "cuda" if _cuda_available() else "cpu"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ---- the command-line options every engine command shares ----------------------------------------------------------
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 128,256, got {text!r}") from None
+
+
+def add_engine_options(p: argparse.ArgumentParser, *, backend: str | None = "reference",
+                       model_required: bool = True) -> None:
+    """The engine options of ``generate``, ``golden``, ``longbench``, ``compile`` (one set, one meaning);
+    :func:`spec_from_args` turns them into an :class:`EngineSpec`. ``backend=None``: no ``--backend`` option."""
+    g = p.add_argument_group("engine (see README, 'Engine spec')")
+    g.add_argument("--model", required=model_required, help="checkpoint directory (or s3://bucket/prefix)")
+    if backend is not None:
+        g.add_argument("--backend", default=backend, choices=BACKENDS)
+    g.add_argument("--device", default=None, help="reference: cpu | cuda | cuda:N (default: the best local device)")
+    g.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="default: bfloat16 on neuron and CUDA, float32 on CPU and in NxDI's CPU mode")
+    g.add_argument("--max-seq-len", "--seq-len", dest="max_seq_len", type=int, default=4096,
+                   help="prompt + generated tokens per sequence (neuron: the cache length)")
+    g.add_argument("--max-context-len", type=int, default=None, help="longest prompt (default: --max-seq-len)")
+    g.add_argument("--batch", "--max-batch", dest="max_batch", type=int, default=None,
+                   help="sequences decoded together (default: 8 on reference, 1 on neuron)")
+    g.add_argument("--tp", type=int, default=None, help="tensor parallel degree (neuron default 64; reference and "
+                                                         "neuron-cpu: torchrun's WORLD_SIZE)")
+    g.add_argument("--ep", type=int, default=None, help="expert parallel degree, dividing --tp (neuron default: "
+                                                         "--tp; reference: $MINIMAX_M3_EP under torchrun, else 1)")
+    g.add_argument("--lnc", type=int, default=None, help="neuron: logical NeuronCore config (trn2: 2)")
+    g.add_argument("--context-buckets", type=_ints, default=None,
+                   help="neuron prefill buckets, e.g. 1024,8192 (default: powers of two from 128 below "
+                        "--max-context-len, and it)")
+    g.add_argument("--token-buckets", type=_ints, default=None,
+                   help="neuron decode buckets, multiples of the indexer block (default: block-aligned powers of two "
+                        "from 128 below --max-seq-len, and it)")
+    g.add_argument("--compiled", default=None,
+                   help="neuron: the compiled artifact directory (default: under --model, named by these options)")
+    g.add_argument("--continuous-batching", action=argparse.BooleanOptionalAction, default=None,
+                   help="neuron: one prefill per request into its own slot (default: on when --batch > 1)")
+    g.add_argument("--all-logits", action=argparse.BooleanOptionalAction, default=None,
+                   help="neuron: prefill returns every position's logits (a scoring build; default: on in CPU mode)")
+    g.add_argument("--on-device-sampling", action="store_true", default=False,
+                   help="neuron: sample on device (decode returns token ids)")
+
+
+def spec_from_args(args: argparse.Namespace, **overrides) -> EngineSpec:
+    """The :class:`EngineSpec` of :func:`add_engine_options`' options (``overrides`` win)."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineSpec) if hasattr(args, f.name)}
+    kw.update(overrides)
+    kw = {k: v for k, v in kw.items() if v is not None or k in ("model",)}
+    return EngineSpec(**kw)
