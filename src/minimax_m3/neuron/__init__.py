@@ -7,17 +7,8 @@ Importing this package needs nothing beyond torch: the NxDI classes are loaded o
 
 from __future__ import annotations
 
-import importlib
-
-from ..errors import M3Error
-
-INSTALL_HINT = (
-    "the neuron backend needs the AWS Neuron SDK 2.29 Python packages: neuronx-distributed-inference 0.9 "
-    "(NxDI), neuronx-distributed 0.18 (NxD) and torch-neuronx 2.9 with neuronx-cc, installed from the Neuron "
-    "pip repository (https://pip.repos.neuron.amazonaws.com) on a Trainium/Inferentia host, e.g. "
-    "`pip install --extra-index-url https://pip.repos.neuron.amazonaws.com neuronx-distributed-inference`; "
-    "to run NxDI's CPU mode off-device see the README section 'NxDI CPU mode'"
-)
+from ._sdk import INSTALL_HINT, NeuronUnavailableError, sdk_available
+from ._sdk import import_neuron_module as _import
 
 _EXPORTS = {
     "MiniMaxM3NeuronConfig": "config", "MiniMaxM3InferenceConfig": "config", "load_m3_config": "config",
@@ -26,29 +17,6 @@ _EXPORTS = {
     "NeuronMiniMaxM3ForCausalLM": "model", "NeuronMiniMaxM3DecoderLayer": "model",
     "NeuronEngine": "engine", "build_neuron_config": "engine",
 }
-
-
-class NeuronUnavailableError(M3Error, ImportError):
-    """The Neuron SDK (NxDI/NxD) is not importable here."""
-
-
-def sdk_available() -> bool:
-    try:
-        importlib.import_module("neuronx_distributed_inference.models.config")
-        return True
-    except Exception:
-        return False
-
-
-def _import(module: str):
-    try:
-        return importlib.import_module(f"{__name__}.{module}")
-    except ImportError as exc:
-        missing = getattr(exc, "name", "") or ""
-        if missing.split(".")[0] in ("neuronx_distributed_inference", "neuronx_distributed", "torch_neuronx",
-                                     "neuronxcc", "nki", "nkilib", "libneuronxla", "torch_xla"):
-            raise NeuronUnavailableError(f"{INSTALL_HINT} (missing module: {missing})") from exc
-        raise
 
 
 def __getattr__(name: str):
