@@ -95,6 +95,29 @@ class NeuronMiniMaxM3Model(NeuronBaseModel):
                                             gather_output=not self.on_device_sampling, pad=True,
                                             keep_padded_output=True)
 
+    def forward(self, input_ids, attention_mask, position_ids, *args, **kwargs):
+        """NxDI's forward, with the prefill's last real token found from the attention mask (see
+        :meth:`get_model_output`)."""
+        self._last_real = None
+        if attention_mask.dim() == 2 and self._is_context_encoding(input_ids) \
+                and not self.config.neuron_config.prefill_all_logits:
+            # right padding: the last real token of a row is its mask's length - 1. NxDI infers a width-0 mask
+            # for a one-token prompt without one (vllm-neuron passes none), hence at least one token.
+            self._last_real = attention_mask.sum(dim=1).clamp(min=1) - 1
+        return super().forward(input_ids, attention_mask, position_ids, *args, **kwargs)
+
+    def get_model_output(self, *args, **kwargs):
+        """NxDI picks the prefill's last token by the largest position, but pads positions with 1, so a one-token
+        prompt (position 0) would get a padding slot's logits; the row's last real token is gathered here and
+        NxDI's own gather skipped (``sliced_hidden``, as after its sequence-parallel gather)."""
+        hidden, cache = super().get_model_output(*args, **kwargs)
+        last = getattr(self, "_last_real", None)
+        if last is not None and kwargs.get("is_for_context_encoding") and hidden.shape[1] > 1:
+            index = last.to(torch.long).view(-1, 1, 1).expand(hidden.shape[0], 1, hidden.shape[2])
+            hidden = torch.gather(hidden, dim=1, index=index)
+            self.sliced_hidden = True
+        return hidden, cache
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """NxDI's CPU mode loads the sharded state dict with ``strict=False`` (after NxD's preshard hooks and
         removal of keys the model lacks), which would leave any parameter the converter misnamed at its random
