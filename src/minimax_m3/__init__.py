@@ -1,9 +1,31 @@
-"""MiniMax-M3 text backbone on AWS Trainium (NxD Inference) with a pure-PyTorch reference backend."""
+"""MiniMax-M3 text backbone on AWS Trainium (NxD Inference) with a pure-PyTorch reference backend.
 
-from .config import ConfigError, M3Config
-from .engine import Engine, EngineInputError, GenerationConfig, GenerationResult, load_engine
+The root imports lazily (PEP 562): ``import minimax_m3.eval.metrics`` or ``minimax_m3.config`` needs no torch, and
+``minimax_m3.load_engine`` etc. load their module on first use.
+"""
 
-__all__ = [
-    "ConfigError", "M3Config", "Engine", "EngineInputError", "GenerationConfig", "GenerationResult", "load_engine",
-]
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {  # name -> the module (relative to this package) that defines it
+    "M3Error": "errors",
+    "ConfigError": "config", "M3Config": "config",
+    "Engine": "engine", "EngineInputError": "engine", "GenerationConfig": "engine", "GenerationResult": "engine",
+    "load_engine": "backends", "EngineSpec": "spec",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
