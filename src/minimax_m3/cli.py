@@ -14,7 +14,8 @@ from pathlib import Path
 from . import storage
 from .checkpoint.reader import CheckpointError
 from .config import ConfigError
-from .engine import TIMING_KEYS, EngineInputError, GenerationConfig, load_engine
+from .backends import load_engine
+from .engine import TIMING_KEYS, EngineInputError, GenerationConfig
 from .neuron import NeuronUnavailableError
 from .spec import EngineSpec, add_engine_options, spec_from_args
 

@@ -5,12 +5,11 @@ A backend is a *step provider*: it prefills prompts into cache slots and decodes
 returning logits (or, with on-device sampling, chosen token ids). The loop here does everything else the same way
 on every backend: input checks, batching and continuous admission into free slots, per-sequence seeded sampling,
 EOS and stop sequences, ``return_logits`` and the timing fields. :func:`load_engine` builds an engine from an
-:class:`~minimax_m3.spec.EngineSpec`.
+:class:`~minimax_m3.spec.EngineSpec` (in :mod:`minimax_m3.backends`, the one module that knows every backend).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,13 +17,13 @@ from typing import Protocol, Sequence, Union
 
 import torch
 
-from . import ops, storage
+from . import ops
 from .config import M3Config
 from .errors import M3Error
-from .spec import BACKENDS, EngineSpec, SpecError
+from .spec import BACKENDS, EngineSpec
 
 __all__ = ["BACKENDS", "Engine", "EngineInputError", "EngineSpec", "GenerationConfig", "GenerationResult",
-           "StepOutput", "StepProvider", "TIMING_KEYS", "load_engine", "unpad"]
+           "StepOutput", "StepProvider", "TIMING_KEYS", "unpad"]
 
 # every result's ``timings`` has exactly these keys, on every backend (seconds; ``decode_step_s`` a list)
 TIMING_KEYS = ("queue_s", "prefill_s", "ttft_s", "decode_step_s", "total_s")
@@ -278,32 +277,3 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[in
             )
         out.append([ids[j] for j in ones])
     return out
-
-
-# the old keyword names of load_engine(model, backend, **kw) -> EngineSpec fields
-_LEGACY_KW = {"max_batch_size": "max_batch", "batch_size": "max_batch", "tp_degree": "tp", "moe_ep_degree": "ep",
-              "logical_nc_config": "lnc", "max_context_length": "max_context_len",
-              "context_encoding_buckets": "context_buckets", "token_generation_buckets": "token_buckets",
-              "compiled_path": "compiled", "prefill_all_logits": "all_logits"}
-
-
-def load_engine(spec: EngineSpec | str, backend: str | None = None, **kw) -> Engine:
-    """Load the engine ``spec`` describes (validated first: every problem in one error). The older form
-    ``load_engine(model, backend="reference", **fields)`` builds the spec from its arguments (the old keyword
-    names such as ``max_batch_size`` and ``tp_degree`` are accepted)."""
-    if not isinstance(spec, EngineSpec):
-        fields = {_LEGACY_KW.get(k, k): (tuple(v) if isinstance(v, list) else v) for k, v in kw.items()}
-        spec = EngineSpec(model=str(spec), backend=backend or "reference", **fields)
-    elif backend is not None or kw:
-        raise TypeError("load_engine(spec) takes no other arguments; put them in the EngineSpec")
-    if spec.backend in BACKENDS:  # s3:// models are downloaded (or found in the cache) once, here
-        spec = dataclasses.replace(spec, model=str(storage.resolve(spec.model, spec.cache_dir)))
-    if spec.backend == "reference":
-        from .reference.engine import load_reference
-
-        return load_reference(spec)
-    if spec.backend in ("neuron", "neuron-cpu"):
-        from .neuron import load_neuron_engine  # raises one clear error without the Neuron SDK
-
-        return load_neuron_engine(spec)
-    raise SpecError(spec.problems())  # names the unknown backend with every other problem

@@ -253,6 +253,24 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# the keyword names of build_neuron_config / the older load_engine(model, backend, **kw) -> EngineSpec fields
+_KWARG_FIELDS = {"max_batch_size": "max_batch", "batch_size": "max_batch", "tp_degree": "tp", "moe_ep_degree": "ep",
+                 "logical_nc_config": "lnc", "max_context_length": "max_context_len",
+                 "context_encoding_buckets": "context_buckets", "token_generation_buckets": "token_buckets",
+                 "compiled_path": "compiled", "prefill_all_logits": "all_logits"}
+
+
+def spec_from_kwargs(model, backend: str = "reference", **kw) -> EngineSpec:
+    """The spec of the keyword form ``load_engine(model, backend, **kw)`` (field names, or the older names such as
+    ``max_batch_size``, ``tp_degree``, ``max_context_length``)."""
+    fields = {_KWARG_FIELDS.get(k, k): (tuple(v) if isinstance(v, list) else v) for k, v in kw.items()}
+    names = {f.name for f in dataclasses.fields(EngineSpec)}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise SpecError([f"unknown engine option {k!r}" for k in unknown] + [f"known: {', '.join(sorted(names))}"])
+    return EngineSpec(model=str(model), backend=backend, **fields)
+
+
 # ---- the command-line options every engine command shares ----------------------------------------------------------
 def _ints(text: str) -> tuple[int, ...]:
     try:

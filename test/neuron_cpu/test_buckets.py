@@ -68,7 +68,7 @@ def test_buckets_are_overridable_and_the_context_length_is_the_last(ckpt):
 
 
 def test_static_batching_matches_reference(ckpt):
-    from minimax_m3.engine import load_engine
+    from minimax_m3.backends import load_engine
     from minimax_m3.reference.engine import ReferenceEngine
 
     from .plugin import neuron_cpu_engine_kwargs

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from ..engine import BACKENDS, load_engine
+from ..backends import load_engine
+from ..errors import M3Error
+from ..spec import add_engine_options, spec_from_args
+
+
+class LongBenchRunError(M3Error, ValueError):
+    """A LongBench run that cannot start or go on (settings, unreadable files); the CLI prints it, exit 2."""
 
 
 def register(subparsers) -> None:
@@ -15,8 +20,7 @@ def register(subparsers) -> None:
         help="run LongBench v1 / LongBench-E / v2 offline through an engine and score it to the official protocol",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--backend", default="reference", choices=BACKENDS)
-    p.add_argument("--model", required=True, help="checkpoint directory (or what the backend loads)")
+    add_engine_options(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     p.add_argument("--data", required=True, help="folder with LongBench's <task>.jsonl (v1/E) and/or data.json (v2)")
     p.add_argument("--longbench-dir", default=None,
@@ -28,9 +32,6 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-input-tokens", type=int, default=None,
                    help="middle-truncation budget (pred.py's max_length); default: max_seq_len - max_gen - chat overhead - 16")  # fmt: skip
-    p.add_argument("--max-seq-len", type=int, default=None, help="engine context (prompt + generated ids)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--device", default=None, help="reference backend: cpu | cuda")
     p.add_argument("--strip-thinking", action="store_true",
                    help="v2: remove <think>...</think> blocks before extracting the answer (for reasoning models; "
                         "not in the official protocol, which extracts from the whole response)")  # fmt: skip
@@ -45,18 +46,18 @@ def cmd_longbench(args) -> None:
 
     data = Path(args.data)
     longbench_dir = Path(args.longbench_dir) if args.longbench_dir else data.resolve().parent
-    kw = {k: v for k, v in (("max_seq_len", args.max_seq_len), ("dtype", args.dtype), ("device", args.device)) if v is not None}
     try:
-        engine = load_engine(args.model, backend=args.backend, **kw)
+        engine = load_engine(spec_from_args(args))
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         report = run_longbench(
             engine, tokenizer, data, longbench_dir, args.tasks, args.out, limit=args.limit, batch_size=args.batch_size,
             max_input_tokens=args.max_input_tokens, progress=not args.no_progress,
             meta={"model": str(args.model), "backend": args.backend}, strip_thinking=args.strip_thinking,
         )  # fmt: skip
-    except (ValueError, OSError) as exc:  # LongBench data/task/config errors, unreadable files
-        print(f"minimax-m3 longbench: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except M3Error:
+        raise
+    except (ValueError, OSError) as exc:  # run settings, unreadable files: one package error (the CLI exits 2)
+        raise LongBenchRunError(str(exc)) from None
     from .report import render_markdown
 
     print(render_markdown(report))

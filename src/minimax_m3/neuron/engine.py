@@ -30,7 +30,7 @@ import torch
 
 from ..config import ConfigError, M3Config
 from ..engine import Engine, EngineInputError
-from ..spec import EngineSpec, context_buckets
+from ..spec import EngineSpec, context_buckets, spec_from_kwargs
 from .config import MiniMaxM3InferenceConfig, MiniMaxM3NeuronConfig, load_m3_config
 from .model import NeuronMiniMaxM3ForCausalLM, NeuronMiniMaxM3Model
 
@@ -176,10 +176,9 @@ class NeuronEngine(Engine):
 
     @classmethod
     def from_pretrained(cls, model: str, on_cpu: bool = False, **kwargs) -> "NeuronEngine":
-        """Keyword form of :func:`load` (``build_neuron_config``'s names: ``tp_degree``, ``batch_size``...)."""
-        from ..engine import load_engine
-
-        return load_engine(model, backend="neuron-cpu" if on_cpu else "neuron", **kwargs)
+        """Keyword form of :func:`load` (spec fields or ``build_neuron_config``'s names: ``tp_degree``...)."""
+        spec = spec_from_kwargs(model, "neuron-cpu" if on_cpu else "neuron", **kwargs)
+        return load(spec.validate(M3Config.from_pretrained(spec.model)))
 
 
 def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .. import storage
 from ..config import M3Config
 from ..engine import Engine, EngineInputError
 from ..spec import EngineSpec
@@ -110,18 +111,15 @@ class ReferenceEngine(Engine):
             dtype = str(dtype).removeprefix("torch.")
         spec = EngineSpec(model=str(path), backend="reference", device=device, dtype=dtype, max_seq_len=max_seq_len,
                           max_batch=max_batch_size, tile=tile)
-        if plan is not None:
-            return load_reference(spec, plan=plan)
-        from ..engine import load_engine
-
-        return load_engine(spec)
+        return load_reference(spec, plan=plan)
 
 
 def load_reference(spec: EngineSpec, plan: ShardPlan | None = None) -> ReferenceEngine:
     """The reference engine of ``spec``. Under ``torchrun`` (``WORLD_SIZE > 1``) without a ``plan`` the process
     group is joined here with ``spec.ep`` (whose default is ``$MINIMAX_M3_EP``) and device None/"cuda" becomes
     this rank's GPU."""
-    path = spec.model  # local (load_engine resolves s3:// first)
+    path = storage.resolve(spec.model, spec.cache_dir)  # s3:// models: downloaded once (a local path as is)
+    spec = dataclasses.replace(spec, model=str(path))
     config = M3Config.from_pretrained(path)
     resolved = spec.validate(config)
     if plan is None and resolved.tp > 1:

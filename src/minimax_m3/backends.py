@@ -1,0 +1,34 @@
+"""``load_engine(spec)``: the one entry point that picks and builds a backend (the only module that knows them all).
+
+Backends are imported inside :func:`load_engine`, so loading the reference backend never imports the Neuron SDK.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import storage
+from .engine import Engine
+from .spec import BACKENDS, EngineSpec, SpecError, spec_from_kwargs
+
+__all__ = ["load_engine"]
+
+def load_engine(spec: EngineSpec | str, backend: str | None = None, **kw) -> Engine:
+    """Load the engine ``spec`` describes (validated first: every problem in one error). The older form
+    ``load_engine(model, backend="reference", **fields)`` builds the spec from its arguments (the old keyword
+    names such as ``max_batch_size`` and ``tp_degree`` are accepted)."""
+    if not isinstance(spec, EngineSpec):
+        spec = spec_from_kwargs(spec, backend or "reference", **kw)
+    elif backend is not None or kw:
+        raise TypeError("load_engine(spec) takes no other arguments; put them in the EngineSpec")
+    if spec.backend in BACKENDS:  # s3:// models are downloaded (or found in the cache) once, here
+        spec = dataclasses.replace(spec, model=str(storage.resolve(spec.model, spec.cache_dir)))
+    if spec.backend == "reference":
+        from .reference.engine import load_reference
+
+        return load_reference(spec)
+    if spec.backend in ("neuron", "neuron-cpu"):
+        from .neuron import load_neuron_engine  # raises one clear error without the Neuron SDK
+
+        return load_neuron_engine(spec)
+    raise SpecError(spec.problems())  # names the unknown backend with every other problem
