@@ -72,7 +72,7 @@ class Planned:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-class Plan:
+class ConversionPlan:
     """Every output tensor, grouped by unit, with the source keys each unit consumes."""
 
     def __init__(self, source: Source, c: M3Config, table: RuleTable, dtype: torch.dtype):
@@ -198,7 +198,7 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
     report = open_checkpoint(src, config, deep=True)  # every problem, before any work
     source, c = report.source, report.config
     table = target_table(to, c, tp, fused_qkv)
-    plan = Plan(source, c, table, dtype)
+    plan = ConversionPlan(source, c, table, dtype)
     fp = plan.fingerprint()
     stage = out.parent / (out.name + ".partial")
     journal_path = stage / JOURNAL
@@ -282,7 +282,7 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
     return aud
 
 
-def _finish(stage: Path, report, plan: Plan, to: str) -> None:
+def _finish(stage: Path, report, plan: ConversionPlan, to: str) -> None:
     weight_map = {e.name: shard for shard, (_, es) in zip(plan.shards, plan.units) for e in es}
     total = sum(e.nbytes for _, es in plan.units for e in es)
     _save_json(stage / INDEX, {"metadata": {"total_size": total, "converted_to": to},

@@ -47,7 +47,8 @@ class PlanError(M3Error, ValueError):
 
 
 @dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
+    """Per-rank HBM of one TP x EP layout (bytes by category) and whether it fits; what ``plan()`` returns."""
     tp: int
     ep: int
     batch: int
@@ -114,7 +115,7 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[
 
 def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
          ctx_batch: int | None = None, tile: int = 256, moe_block: int = 512, reserve_gib: float = 3.0,
-         hbm_gib: float = HBM_PER_RANK_GIB) -> Plan:
+         hbm_gib: float = HBM_PER_RANK_GIB) -> MemoryPlan:
     """Per-rank HBM for serving ``batch`` sequences of up to ``seq`` tokens on a ``tp`` x ``ep`` layout."""
     if weights not in ("bf16", "fp8") or kv_dtype not in ("bf16", "fp8"):
         raise PlanError("weights and kv dtype are bf16 or fp8")
@@ -149,7 +150,7 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
         notes.append(f"shard-on-I MoE kernels would pad I/moe_tp from {i_tp} to {padded} (not counted above)")
     if tp > c.num_kv_heads:
         notes.append(f"each KV head is replicated on {tp // c.num_kv_heads} ranks and the index-K cache on all {tp}")
-    return Plan(tp, ep, batch, seq, ctx_batch, weights, kv_dtype, w, kv_cache, index_k, prefill,
+    return MemoryPlan(tp, ep, batch, seq, ctx_batch, weights, kv_dtype, w, kv_cache, index_k, prefill,
                 int(reserve_gib * GIB), int(hbm_gib * GIB), tuple(notes))
 
 
@@ -224,7 +225,7 @@ def prefill_flops(c: M3Config, tp: int, ep: int, batch: int, seq: int) -> dict[s
     }
 
 
-def format_plan(p: Plan, c: M3Config, parts: dict[str, int] | None = None) -> str:
+def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None) -> str:
     gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
     lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={p.tp // p.ep}), batch={p.batch}, seq={p.seq}, "
              f"prefill batch={p.ctx_batch}, weights {p.weights}, KV {p.kv_dtype}; per rank:"]
