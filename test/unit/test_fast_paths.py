@@ -91,7 +91,9 @@ def test_model_flex_prefill_equals_plain(tiny_ckpt):
         flex = model(ids, pos, model.new_cache(2, 150), 150, decode=False)
     finally:
         model.paths.prefill = "auto"
-    assert (flex - plain).abs().max() < 1e-5
+    # two formulations (FlexAttention's masked tiles, the plain path's gathered blocks): each within 1.2e-5 of
+    # transformers at 160 tokens (measured 4.3e-6 and 1.2e-5), so they agree within twice that
+    assert (flex - plain).abs().max() < 2.5e-5
 
 
 def test_decode_step_never_reads_a_value_on_the_host():

@@ -2,7 +2,7 @@
 
 from .attention import (
     attend_prior_active, causal_keep, decode_attention_dense, decode_attention_sparse, decode_dense_prior_active,
-    decode_sparse_prior_active, gather_blocks, masked_attention, prefill_attention,
+    decode_sparse_prior_active, gather_blocks, masked_attention,
 )
 from .cache import write_positions
 from .indexer import (
@@ -11,14 +11,15 @@ from .indexer import (
 from .mlp import swiglu_mlp, swiglu_oai
 from .moe import combine_matrix, expert_ffn, moe_all_experts, route
 from .norm import rms_norm
+from .prefill import attend_blocks, chunk_for, prefill_attention, prefill_blocks, select_chunk
 from .rope import apply_rope, apply_rope_tables, rope_cos_sin, rope_inv_freq, rope_tables
 from .sampling import filter_logits, sample
 
 __all__ = [
-    "apply_rope", "apply_rope_tables", "attend_prior_active", "block_keep_mask", "causal_keep", "combine_matrix",
-    "decode_attention_dense", "decode_attention_sparse", "decode_dense_prior_active", "decode_sparse_prior_active",
-    "expert_ffn", "filter_logits", "gather_blocks", "index_block_scores", "masked_attention", "moe_all_experts",
-    "prefill_attention", "rms_norm", "rope_cos_sin", "rope_inv_freq", "rope_tables", "route", "sample",
-    "select_blocks", "select_blocks_for_queries", "select_blocks_prior_active", "swiglu_mlp", "swiglu_oai",
-    "write_positions",
+    "apply_rope", "apply_rope_tables", "attend_blocks", "attend_prior_active", "block_keep_mask", "causal_keep",
+    "chunk_for", "combine_matrix", "decode_attention_dense", "decode_attention_sparse", "decode_dense_prior_active",
+    "decode_sparse_prior_active", "expert_ffn", "filter_logits", "gather_blocks", "index_block_scores",
+    "masked_attention", "moe_all_experts", "prefill_attention", "prefill_blocks", "rms_norm", "rope_cos_sin",
+    "rope_inv_freq", "rope_tables", "route", "sample", "select_blocks", "select_blocks_for_queries",
+    "select_blocks_prior_active", "select_chunk", "swiglu_mlp", "swiglu_oai", "write_positions",
 ]

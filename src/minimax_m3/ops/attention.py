@@ -2,14 +2,13 @@
 prior cache + active token).
 
 Queries ``[B, Hq, T, D]``, keys/values ``[B, Hkv, S, D]``; query head ``h`` belongs to KV group
-``h // (Hq / Hkv)``. Masks are per KV group ``[B, G, T, S]`` or shared ``[B, 1, T, S]``. No tensor is ever
-``S x S`` for all heads at once: prefill walks query tiles and each tile only sees keys up to its end.
+``h // (Hq / Hkv)``. Masks are per KV group ``[B, G, T, S]`` or shared ``[B, 1, T, S]``. Prefill (query chunks, block-sparse) is in :mod:`.prefill`.
 """
 
 import torch
 import torch.nn.functional as F
 
-from .indexer import FEW_ROWS, block_keep_mask, select_blocks_for_queries
+from .indexer import FEW_ROWS
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float,
@@ -44,32 +43,6 @@ def causal_keep(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
     """``[B, 1, T, num_keys]``: key position ``t <= p`` for query position ``p``."""
     k_pos = torch.arange(num_keys, device=q_pos.device).view(1, 1, 1, num_keys)
     return k_pos <= q_pos.view(q_pos.shape[0], 1, q_pos.shape[1], 1)
-
-
-def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, iq: torch.Tensor | None = None,
-    ik: torch.Tensor | None = None, block_size: int = 128, topk: int = 16, init_blocks: int = 0,
-    local_blocks: int = 1, tile: int = 256,
-) -> torch.Tensor:
-    """Causal prefill from position 0 over ``S`` tokens, dense or (with ``iq``/``ik``) block-sparse.
-
-    ``iq [B, G, S, Di]`` index queries and ``ik [B, S, Di]`` index keys switch on MiniMax Sparse Attention:
-    each query tile selects its blocks with the indexer and attends through a boolean keep mask. Memory per
-    tile is O(Hq x tile x S).
-    """
-    b, _, s, _ = q.shape
-    outs = []
-    for t0 in range(0, s, tile):
-        t1 = min(s, t0 + tile)
-        q_pos = torch.arange(t0, t1, device=q.device).unsqueeze(0).expand(b, -1)
-        keep = causal_keep(q_pos, t1)
-        if iq is not None:
-            blocks = select_blocks_for_queries(
-                iq[:, :, t0:t1], ik[:, :t1], q_pos, block_size, topk, init_blocks, local_blocks
-            )
-            keep = keep & block_keep_mask(blocks, t1, block_size)
-        outs.append(masked_attention(q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], keep, scale))
-    return torch.cat(outs, dim=2)
 
 
 def decode_attention_dense(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,

@@ -42,12 +42,13 @@ def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, 
 
 def select_blocks(
     block_scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int, init_blocks: int = 0,
-    local_blocks: int = 1,
+    local_blocks: int = 1, topk_fn=None,
 ) -> torch.Tensor:
     """Top-k block ids ``[B, G, Tq, min(topk, nblk)]`` (int64, ``-1`` for an empty slot).
 
     Future blocks never win. Init blocks (``b < init_blocks``) and the query's own ``local_blocks`` most recent
-    blocks are forced in (as long as they are not in the future).
+    blocks are forced in (as long as they are not in the future). ``topk_fn(x, k, dim=-1) -> (values, indices)``
+    replaces ``torch.topk`` (any order of the k winners; the Neuron port passes the SDK's top-k, not a sort).
     """
     b, g, tq, nblk = block_scores.shape
     blk = torch.arange(nblk, device=block_scores.device).view(1, 1, 1, nblk)
@@ -55,8 +56,8 @@ def select_blocks(
     valid = blk <= q_block
     forced = ((blk < init_blocks) | (blk > q_block - local_blocks)) & valid
     scores = block_scores.masked_fill(~valid, float("-inf")).masked_fill(forced, float("inf"))
-    vals, idx = torch.topk(scores, min(topk, nblk), dim=-1)
-    return idx.masked_fill(vals == float("-inf"), -1)
+    vals, idx = (topk_fn or torch.topk)(scores, min(topk, nblk), dim=-1)
+    return idx.to(torch.int64).masked_fill(vals == float("-inf"), -1)
 
 
 def select_blocks_for_queries(

@@ -43,17 +43,9 @@ def _flex(device: torch.device, compiled: bool):
 
 def select_prefill_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int, topk: int, init_blocks: int,
                           local_blocks: int, tile: int = 256) -> torch.Tensor:
-    """Each query's selected key blocks ``[B, G, S, topk]`` (``-1`` = empty slot) for a prefill from position 0,
-    computed by ``ops.select_blocks_for_queries`` over query tiles (keys up to each tile's end)."""
-    b, _, s, _ = iq.shape
-    out = []
-    for t0 in range(0, s, tile):
-        t1 = min(s, t0 + tile)
-        q_pos = torch.arange(t0, t1, device=iq.device).unsqueeze(0).expand(b, -1)
-        blk = ops.select_blocks_for_queries(iq[:, :, t0:t1], ik[:, :t1], q_pos, block_size, topk, init_blocks,
-                                            local_blocks)
-        out.append(torch.nn.functional.pad(blk, (0, topk - blk.shape[-1]), value=-1))
-    return torch.cat(out, dim=2)
+    """Each query's selected key blocks ``[B, G, S, topk]`` (``-1`` = empty slot) for a prefill from position 0:
+    ``ops.prefill_blocks`` over query chunks of ``tile`` (keys up to each chunk's end)."""
+    return ops.prefill_blocks(iq, ik, block_size, topk, init_blocks, local_blocks, chunk=tile)
 
 
 def sparse_block_mask(blocks: torch.Tensor, seq_len: int, block_size: int, q_per_kv: int) -> "BlockMask":
