@@ -16,7 +16,7 @@ from .attention import NeuronMiniMaxM3Attention
 from .config import MiniMaxM3InferenceConfig
 from .kv_cache import M3KVCacheManager
 from .layers import GemmaNorm, SwiGLUOAIMLP
-from .moe import initialize_m3_moe_module
+from .moe import attach_shared_expert, initialize_m3_moe_module
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +30,17 @@ class NeuronMiniMaxM3DecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = NeuronMiniMaxM3Attention(config, layer_idx)
         self.is_moe = bool(c.moe_layers[layer_idx])
-        self.routed_scaling_factor = c.routed_scaling_factor
         if self.is_moe:
+            # one all-reduce per MoE layer: the routed experts' down projection carries routed_scaling_factor
+            # (folded by the converter, checkpoint/nxdi_rules.py) and the shared expert hands its partial sums to
+            # the MoE, which adds them before its single reduction (in the activations' dtype)
             self.moe = initialize_m3_moe_module(config)
             self.shared_expert = SwiGLUOAIMLP(c.hidden_size, c.shared_intermediate_size, c.swiglu_alpha,
-                                              c.swiglu_limit, dtype)
+                                              c.swiglu_limit, dtype, reduce_output=False)
+            attach_shared_expert(self.moe, self.shared_expert)
         else:
-            self.mlp = SwiGLUOAIMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype)
+            self.mlp = SwiGLUOAIMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype,
+                                    reduce_dtype=config.neuron_config.rpl_reduce_dtype)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
                 padding_mask=None, **kwargs):
@@ -46,8 +50,7 @@ class NeuronMiniMaxM3DecoderLayer(nn.Module):
         hidden_states = residual + out.hidden_states
         h = self.post_attention_layernorm(hidden_states)
         if self.is_moe:
-            routed = self.moe(h, padding_mask)[0]
-            mlp_out = routed * self.routed_scaling_factor + self.shared_expert(h)
+            mlp_out = self.moe(h, padding_mask)[0]
         else:
             mlp_out = self.mlp(h)
         return (hidden_states + mlp_out, out.present_key_value, out.cos_cache, out.sin_cache, None)
@@ -141,9 +144,15 @@ def stream_state_dict(path, config: MiniMaxM3InferenceConfig) -> dict:
     package's one rule engine: validated first (every problem in one error), converted one rule at a time (only
     the current rule's release tensors are materialised besides the output), in the model dtype except the fp32
     keys (folded norms, router weight and bias)."""
+    return dict(stream_pairs(path, config))
+
+
+def stream_pairs(path, config: MiniMaxM3InferenceConfig):
+    """The ``(name, tensor)`` stream behind :func:`stream_state_dict`, one rule's tensors at a time, unit by unit
+    (the global tensors, then each layer): what ``neuron.sharded.write_sharded`` shards without holding it all."""
     nc = config.neuron_config
-    return dict(convert.stream_state_dict(path, to="neuron", dtype=nc.torch_dtype, tp=nc.tp_degree,
-                                          config=config.m3_config(), fused_qkv=nc.fused_qkv))
+    return convert.stream_state_dict(path, to="neuron", dtype=nc.torch_dtype, tp=nc.tp_degree,
+                                     config=config.m3_config(), fused_qkv=nc.fused_qkv)
 
 
 class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):

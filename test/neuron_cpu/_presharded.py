@@ -1,0 +1,83 @@
+"""Pre-sharded checkpoints two ways, each in a fresh interpreter (NxD's process-global sharding state never leaks).
+
+``python -m test.neuron_cpu._presharded MODE CKPT OUT TP EP [DTYPE]`` builds ``NeuronMiniMaxM3ForCausalLM`` for
+``CKPT`` at TP / EP (``save_sharded_checkpoint=True``) and writes ``OUT/tp{r}_sharded_checkpoint.safetensors`` for
+every rank by
+
+* ``nxd``: NxD's ``ModelBuilder.shard_checkpoint(serialize_path=OUT)``, the path of NxDI's ``shard_weights`` (the
+  whole converted state dict in memory, every rank's shard kept until it returns) — the oracle;
+* ``stream``: :func:`minimax_m3.neuron.sharded.write_sharded`, one conversion unit at a time.
+
+It writes ``OUT/report.json`` with the seconds taken and the process's peak resident memory (``ru_maxrss``) before
+and after the sharding, so the difference is the sharding's own peak above the loaded interpreter.
+
+As ``test/hlo/_shard.py``: NxD's sharding runs outside NxDI's CPU mode (``NXD_CPU_MODE`` unset), as on a trn2 host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build_app(ckpt: str, tp: int, ep: int, dtype: str = "bfloat16"):
+    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
+    from minimax_m3.neuron.engine import build_neuron_config
+    from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
+
+    nc = build_neuron_config(tp_degree=tp, moe_ep_degree=ep, batch_size=1, max_seq_len=256, max_context_length=256,
+                             dtype=dtype, enable_bucketing=True, context_encoding_buckets=[256],
+                             token_generation_buckets=[256], save_sharded_checkpoint=True, skip_sharding=True,
+                             attn_kernel_enabled=False, logical_nc_config=2 if tp == 64 else 1)
+    return NeuronMiniMaxM3ForCausalLM(ckpt, MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(ckpt)))
+
+
+def main(argv: list[str]) -> int:
+    mode, ckpt, out, tp, ep = argv[0], argv[1], Path(argv[2]), int(argv[3]), int(argv[4])
+    dtype = argv[5] if len(argv) > 5 else "bfloat16"
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["BASE_COMPILE_WORK_DIR"] = str(out / "work") + "/"
+
+    from test.neuron_cpu import standins
+
+    standins.bootstrap()
+    os.environ.pop("NXD_CPU_MODE", None)
+    app = build_app(ckpt, tp, ep, dtype)
+    before = _maxrss_mb()
+    t0 = time.perf_counter()
+    if mode == "nxd":
+        app.get_builder().shard_checkpoint(serialize_path=str(out))
+        extra = {}
+    elif mode == "stream":
+        from minimax_m3.neuron.sharded import write_sharded
+
+        extra = write_sharded(app, out)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: nxd or stream")
+    report = {"mode": mode, "tp": tp, "ep": ep, "seconds": time.perf_counter() - t0, "maxrss_before_mb": before,
+              "maxrss_mb": _maxrss_mb(), **{k: v for k, v in extra.items() if k in ("units", "keys", "bytes")}}
+    (out / "report.json").write_text(json.dumps(report))
+    return 0
+
+
+def run(mode: str, ckpt: Path, out: Path, tp: int, ep: int, dtype: str = "bfloat16", timeout: float = 900) -> dict:
+    """:func:`main` in a fresh interpreter (this one's); returns ``report.json``."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "test.neuron_cpu._presharded", mode, str(ckpt), str(out), str(tp),
+                           str(ep), dtype], cwd=root, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"{mode} sharding subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads((out / "report.json").read_text())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
