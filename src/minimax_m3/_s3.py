@@ -31,6 +31,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the s3 ext
     raise StorageError(f"s3:// URIs need boto3 ({e}); install it: pip install 'minimax-m3-neuron[s3]'") from None
 from tqdm import tqdm
 
+from ._atomic import move_into_place
 from ._storage_base import (
     _INTERNAL, MANIFEST_NAME, UPLOADING_NAME, AccessDeniedError, BucketNotFoundError, IncompleteUploadError,
     IntegrityError, Journal, ObjectNotFoundError, StorageError, TransferInterruptedError, _hash_workers, etag_md5,
@@ -232,9 +233,7 @@ def _place(f: dict[str, Any], tmp: Path, dest: Path, uri: str, journal: Journal,
     if bad:
         tmp.unlink(missing_ok=True)
         raise IntegrityError(f"{src}: {bad}")
-    final = dest / f["path"]
-    final.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, final)
+    final = move_into_place(tmp, dest / f["path"])
     journal.add(final, f, sha)
 
 

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ._atomic import write_atomic  # noqa: F401  (re-exported through storage)
 from .errors import M3Error
 
 MANIFEST_NAME = "minimax-m3-manifest.json"
@@ -142,17 +143,6 @@ def parse_manifest(data: bytes, source: str) -> dict[str, Any]:
 
 def manifest_bytes(man: dict[str, Any]) -> bytes:
     return (json.dumps(man, indent=1, sort_keys=True) + "\n").encode()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_local_manifest(local_dir: str | os.PathLike) -> dict[str, Any] | None:

@@ -4,10 +4,10 @@
 output tensor's name/shape/dtype by running the rule table on meta tensors, then writes each unit's shard header
 followed by its tensors as the rules produce them (:mod:`.pipeline`: a few pieces computed ahead on worker threads,
 fused expert tensors one expert slab at a time, buffers recycled, written with O_DIRECT by :mod:`.direct`) — so host
-memory holds a few pieces, or one large rule, never a whole layer. Shards go to ``OUT.partial/`` as ``*.tmp`` and are
-renamed once
-complete and fsynced; a journal records each finished shard's size and CRC32, so a rerun of the same command skips
-(and re-verifies) them. ``OUT`` itself appears only when everything is written, by one rename.
+memory holds a few pieces, or one large rule, never a whole layer. Shards go to ``OUT.partial/`` as hidden
+``*.tmp`` files and are renamed once complete and fsynced; a journal records each finished shard's size and
+CRC32, so a rerun of the same command skips (and re-verifies) them. ``OUT`` itself appears only when everything
+is written, by one rename.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .._atomic import atomic_path, move_into_place, write_atomic
 from ..config import M3Config
 from .direct import DirectFile
 from .pipeline import Opener, ShapeError, file_crc, write_shard
@@ -180,9 +181,7 @@ def _row_tasks(source: Source, rule, unit, c: M3Config, dtype: torch.dtype, pool
 
 
 def _save_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=2) + "\n", fsync=False)
 
 
 def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dtype = torch.bfloat16, tp: int = 1,
@@ -247,13 +246,12 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
                         partial(apply_rule, r, e.unit, c, full_get, dtype, cast_get)]
                 return [partial(apply_rule, r, e.unit, c, full_get, dtype, cast_get)]
 
-            tmp = path.with_name(path.name + ".tmp")
             try:
-                nbytes, crc = write_shard(tmp, _header(entries), entries, tasks, opener, pool,
-                                          done=lambda e: bar(e.nbytes))
+                with atomic_path(path) as tmp:
+                    nbytes, crc = write_shard(tmp, _header(entries), entries, tasks, opener, pool,
+                                              done=lambda e: bar(e.nbytes))
             except ShapeError as exc:
                 raise ConversionError(str(exc)) from None
-            os.replace(tmp, path)
             done[shard] = {"size": nbytes, "crc32": crc}
             _save_json(journal_path, {"fingerprint": fp, "done": done})
     except BaseException as exc:
@@ -275,7 +273,7 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
     source.reader.close()
     if out.exists():
         shutil.rmtree(out)
-    os.replace(stage, out)
+    move_into_place(stage, out)
     aud.out = str(out)
     if verify:
         aud.raise_if_failed()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
+from .._atomic import move_into_place
 from ..config import M3Config
 from . import formats as F
 from .mapping import release_shapes
@@ -153,7 +153,7 @@ def write_checkpoint_dir(out: Path, config_dict: dict, tensors: list[tuple[str, 
             finish(tmp)
         if out.exists():
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

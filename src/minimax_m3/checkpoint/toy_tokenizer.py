@@ -8,8 +8,9 @@ All ids are below ``vocab_size``. The result loads with ``transformers.AutoToken
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from .._atomic import atomic_path, write_atomic
 
 # A single-user-turn chat format; the markers are special tokens, so truncation can never split them.
 CHAT_TEMPLATE = (
@@ -25,9 +26,7 @@ _N_BYTES = 256
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, ensure_ascii=False, indent=2), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, ensure_ascii=False, indent=2))
 
 
 def write_toy_tokenizer(
@@ -78,9 +77,8 @@ def write_toy_tokenizer(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "tokenizer.json.tmp"
-    tok.save(str(tmp))
-    os.replace(tmp, out / "tokenizer.json")
+    with atomic_path(out / "tokenizer.json") as tmp:
+        tok.save(str(tmp))
 
     special_map = {
         "bos_token": special_text["bos"],

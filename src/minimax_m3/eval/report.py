@@ -5,12 +5,12 @@ buckets, v2 accuracy splits; written as JSON and a Markdown table.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from .._atomic import write_atomic
 from .metrics import sample_score
 from .protocol import CATEGORIES, E_TASKS, V1_TASKS, V2_TASK, base_task
 
@@ -190,8 +190,6 @@ def write_report(out_dir, report: dict) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, text in (("report.json", json.dumps(report, ensure_ascii=False, indent=2)), ("report.md", render_markdown(report))):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out / name)
+        write_atomic(out / name, text)
         paths.append(out / name)
     return paths[0], paths[1]

@@ -22,7 +22,7 @@ import json
 import os
 from pathlib import Path
 
-from .._storage_base import write_atomic
+from .._atomic import write_atomic
 from ..config import ConfigError, M3Config
 
 ROLES = {0: "input", 1: "state", 2: "weight"}  # metaneff MetaTensor.Type: USER_INPUT, INPUT_STATE, INPUT_WEIGHT

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from .._storage_base import write_atomic
+from .._atomic import write_atomic
 from ..config import ConfigError, M3Config
 from . import hlo_cost, hlo_schema, plan
 from ..errors import M3Error

@@ -10,13 +10,12 @@ fed ``tokens[j-1]``.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from .._atomic import atomic_path
 from ..engine import Engine, EngineInputError, GenerationConfig
 
 
@@ -57,13 +56,6 @@ def compute_golden(engine: Engine, prompts: list[list[int]], decode_steps: int) 
 
 def write_golden(tensors: dict[str, torch.Tensor], out: str | Path, metadata: dict[str, str]) -> Path:
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    os.close(fd)
-    try:
+    with atomic_path(out) as tmp:
         save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return out
