@@ -12,11 +12,9 @@ import time
 from pathlib import Path
 
 from . import storage
-from .checkpoint.reader import CheckpointError
-from .config import ConfigError
 from .backends import load_engine
-from .engine import TIMING_KEYS, EngineInputError, GenerationConfig
-from .neuron import NeuronUnavailableError
+from .engine import TIMING_KEYS, GenerationConfig
+from .errors import M3Error
 from .spec import EngineSpec, add_engine_options, spec_from_args
 
 # Packages that contribute sub-commands through a ``register(subparsers)`` function.
@@ -199,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)
-    except (CheckpointError, ConfigError, EngineInputError, FileNotFoundError, FileExistsError, storage.StorageError,
-            NeuronUnavailableError) as exc:
+    except M3Error as exc:  # every error the package raises on purpose: its problems, exit 2, no traceback
+        print(f"minimax-m3 {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, FileExistsError) as exc:  # a path given on the command line
         print(f"minimax-m3 {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return rc if isinstance(rc, int) else 0

@@ -115,6 +115,7 @@ class _Sequence:
     ttft_s: float | None = None
     logits: torch.Tensor | None = None  # the pending step's logits (or None with on-device sampling)
     token: int | None = None  # the pending step's id chosen on the device
+    pending: bool = False  # a step's output waits to be chosen from
     tokens: list[int] = field(default_factory=list)
     kept: list[torch.Tensor] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
@@ -182,11 +183,13 @@ class Engine:
         while waiting or any(slots):
             self._admit(prompts, gen, waiting, slots, t0)
             for r, seq in enumerate(slots):
-                if seq is None:
+                if seq is None or not seq.pending:
                     continue
                 reason = self._choose(seq, gen, t0)
                 if reason:
                     results[seq.index], slots[r] = self._result(seq, reason, gen, t0), None
+            if self._can_admit(waiting, slots):
+                continue  # fill the freed slots before the next decode step
             active = [r for r, seq in enumerate(slots) if seq is not None]
             if not active:
                 continue
@@ -202,9 +205,9 @@ class Engine:
     def _admit(self, prompts, gen: GenerationConfig, waiting: deque, slots: list, t0: float) -> None:
         """Fill free slots with waiting prompts: each free slot with its own prefill (continuous), or a whole group
         in one prefill once every slot is free (static)."""
-        free = [r for r, seq in enumerate(slots) if seq is None]
-        if not waiting or (not self.provider.continuous and len(free) < len(slots)):
+        if not self._can_admit(waiting, slots):
             return
+        free = [r for r, seq in enumerate(slots) if seq is None]
         take = [(r, waiting.popleft()) for r in free[:len(waiting)]]
         groups = [[t] for t in take] if self.provider.continuous else [take]
         for group in groups:
@@ -221,8 +224,13 @@ class Engine:
                 slots[r] = _Sequence(i, prompts[i], rng, queue_s=t1 - t0, prefill_s=dt)
                 self._receive(slots[r], out, k)
 
+    def _can_admit(self, waiting: deque, slots: list) -> bool:
+        free = sum(seq is None for seq in slots)
+        return bool(waiting) and free > 0 and (self.provider.continuous or free == len(slots))
+
     @staticmethod
     def _receive(seq: _Sequence, out: Step, row: int) -> None:
+        seq.pending = True
         if isinstance(out, StepOutput):
             seq.logits = None if out.logits is None else out.logits[row]
             seq.token = None if out.token_ids is None else int(out.token_ids[row])
@@ -232,6 +240,7 @@ class Engine:
     @staticmethod
     def _choose(seq: _Sequence, gen: GenerationConfig, t0: float) -> str | None:
         """Pick the next token of ``seq``; the finish reason once done, else None."""
+        seq.pending = False
         if seq.token is not None:  # chosen on the device
             tok = seq.token
         elif seq.logits is None:

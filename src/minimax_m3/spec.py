@@ -14,6 +14,9 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
+
+from ._atomic import write_atomic
 from .config import ConfigError, M3Config
 from .errors import M3Error
 
@@ -22,6 +25,7 @@ DTYPES = ("float32", "bfloat16")
 # prefill buckets: powers of two from 128, cut below the context length, which is added (NxDI's generate_buckets)
 DEFAULT_CONTEXT_BUCKETS = tuple(2 ** i for i in range(7, 21))
 TRN2_LAYOUT = {"tp": 64, "lnc": 2}  # trn2.48xlarge: 64 logical NeuronCores of 2 physical cores; ep defaults to tp
+ARTIFACT_FILE = "minimax-m3-spec.json"  # in a compiled directory: the artifact key it was built for
 # the fields that change the compiled NEFFs (and so name the artifact directory)
 ARTIFACT_FIELDS = ("tp", "ep", "lnc", "dtype", "max_batch", "max_seq_len", "max_context_len", "context_buckets",
                    "token_buckets", "continuous_batching", "all_logits", "on_device_sampling")
@@ -43,17 +47,17 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
-def default_buckets(limit: int, candidates) -> tuple[int, ...]:
+def default_buckets(limit: int, candidates) -> list[int]:
     """``candidates`` below ``limit``, then ``limit`` itself."""
-    return tuple(sorted({b for b in candidates if b < limit} | {limit}))
+    return sorted({b for b in candidates if b < limit} | {limit})
 
 
-def context_buckets(max_context_len: int) -> tuple[int, ...]:
+def context_buckets(max_context_len: int) -> list[int]:
     """The default context-encoding (prefill) buckets for prompts of up to ``max_context_len`` tokens."""
     return default_buckets(max_context_len, DEFAULT_CONTEXT_BUCKETS)
 
 
-def token_buckets(seq_len: int, block_size: int) -> tuple[int, ...]:
+def token_buckets(seq_len: int, block_size: int) -> list[int]:
     """The default decode buckets: ``block_size`` times powers of two from the first multiple of it >= 128 (NxDI's
     smallest token-generation bucket), those below ``seq_len``, and ``seq_len``: every one a multiple of the
     indexer block when ``seq_len`` is."""
@@ -61,7 +65,7 @@ def token_buckets(seq_len: int, block_size: int) -> tuple[int, ...]:
     while b < seq_len:
         out.append(b)
         b *= 2
-    return tuple(out + [seq_len])
+    return out + [seq_len]
 
 
 @dataclass(frozen=True)
@@ -107,17 +111,16 @@ class EngineSpec:
             ep = tp if b == "neuron" else int(os.environ.get("MINIMAX_M3_EP", "1") or 1) if _world_size() > 1 else 1
         lnc = self.lnc if self.lnc is not None else (TRN2_LAYOUT["lnc"] if b == "neuron" else 1)
         batch = self.max_batch if self.max_batch is not None else (1 if neuron else 8)
-        ctx = self.max_context_len or self.max_seq_len
+        ctx = self.max_context_len or (max(self.context_buckets) if self.context_buckets else self.max_seq_len)
         kw = dict(device=device, dtype=dtype, tp=tp, ep=ep, lnc=lnc, max_batch=batch, max_context_len=ctx)
         if neuron:
             kw["continuous_batching"] = batch > 1 if self.continuous_batching is None else self.continuous_batching
             kw["all_logits"] = (b == "neuron-cpu") if self.all_logits is None else self.all_logits
-            kw["context_buckets"] = tuple(sorted(self.context_buckets)) if self.context_buckets else \
-                context_buckets(ctx)
+            kw["context_buckets"] = tuple(sorted(self.context_buckets or context_buckets(ctx)))
             if self.token_buckets:
                 kw["token_buckets"] = tuple(sorted(self.token_buckets))
             elif config is not None:
-                kw["token_buckets"] = token_buckets(self.max_seq_len, config.index_block_size)
+                kw["token_buckets"] = tuple(token_buckets(self.max_seq_len, config.index_block_size))
         return dataclasses.replace(self, **kw)
 
     # ---- validation -------------------------------------------------------------------------------------------
@@ -202,9 +205,9 @@ class EngineSpec:
             out.append(f"token buckets {[b for b in tkg if b > self.max_seq_len]} exceed max_seq_len "
                        f"{self.max_seq_len}: drop them or raise --max-seq-len")
         if config is not None and any(config.sparse_layers) and [b for b in tkg if b % config.index_block_size]:
-            out.append(f"token buckets {list(tkg)} must be multiples of the indexer block {config.index_block_size} "
-                       "(sparse decode reads the caches by whole blocks): choose --token-buckets and --max-seq-len "
-                       "accordingly")
+            out.append(f"token-generation buckets {list(tkg)} must be multiples of index_block_size "
+                       f"{config.index_block_size} (sparse decode reads the caches by whole blocks): choose such "
+                       "--token-buckets and --max-seq-len")
         return out
 
     def _layout_problems(self, c: M3Config) -> list[str]:
@@ -237,6 +240,23 @@ class EngineSpec:
         dt = {"bfloat16": "bf16", "float32": "fp32"}.get(s.dtype, s.dtype)
         name = f"neuron-tp{s.tp}-ep{s.ep}-lnc{s.lnc}-{dt}-b{s.max_batch}-s{s.max_seq_len}-{digest}"
         return f"{str(self.model).rstrip('/')}/{name}"
+
+    def write_artifact(self, path: str) -> None:
+        """Record in a compiled directory what it was compiled for (:data:`ARTIFACT_FILE`, written atomically)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(path) / ARTIFACT_FILE, json.dumps(self.artifact_key(), indent=1, sort_keys=True) + "\n")
+
+    def check_artifact(self, path: str) -> None:
+        """A compiled directory built for other options is refused, naming every field that differs (one without
+        the record, e.g. compiled by hand, is taken as is)."""
+        saved = Path(path) / ARTIFACT_FILE
+        if not saved.is_file():
+            return
+        have, want = json.loads(saved.read_text()), self.artifact_key()
+        diff = [f"{k}: compiled for {have.get(k)!r}, asked for {want[k]!r}" for k in want if have.get(k) != want[k]]
+        if diff:
+            raise SpecError(diff + ["compile again with these options, or pass the options it was compiled for"],
+                            source=f"compiled artifact {path}")
 
     def to_json(self) -> dict:
         return {f.name: (list(v) if isinstance(v, tuple) else v)

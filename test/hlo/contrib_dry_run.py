@@ -42,8 +42,9 @@ def main(argv: list[str]) -> int:
     ours.add_args(ap)
     args = ap.parse_args(argv)
     contrib = load_contrib()
-    ctx = ours._buckets(args.context_buckets, ours.DEFAULT_CONTEXT_BUCKETS, args.seq_len)
-    tkg = ours._buckets(args.token_buckets, [args.seq_len], args.seq_len)
+    args.seq_len, args.batch = args.max_seq_len, args.max_batch or 1
+    ctx = list(args.context_buckets or ours.context_buckets(args.seq_len))
+    tkg = list(args.token_buckets or [args.seq_len])
     config = dry_run.check_layout(args.model, args.tp, args.ep, args.lnc, args.batch, args.seq_len, ctx, tkg)
     nc = contrib.MiniMaxM3NeuronConfig(
         tp_degree=args.tp, moe_ep_degree=args.ep, moe_tp_degree=args.tp // args.ep, logical_nc_config=args.lnc,

@@ -77,7 +77,7 @@ def test_requests_prefilled_one_at_a_time_into_reused_slots_match_reference(engi
 
 def test_prefill_runs_the_smallest_bucket_that_holds_the_prompt(engines, calls):
     port, _ = engines
-    port._prefill([PROMPTS[1], PROMPTS[0]])  # 12 and 100 tokens
+    port.provider.prefill([PROMPTS[1], PROMPTS[0]], [0, 1])  # 12 and 100 tokens, into slots 0 and 1
     assert [c[1] for c in calls] == [(1, 32), (1, 128)]
 
 

@@ -3,7 +3,7 @@ powers of two from 128 below the context length, then the context length itself,
 
 import pytest
 
-from minimax_m3.neuron.compile import _buckets, context_buckets
+from minimax_m3.spec import _ints, context_buckets
 
 
 @pytest.mark.parametrize("ctx,want", [
@@ -19,4 +19,4 @@ def test_default_context_buckets_by_hand(ctx, want):
 
 
 def test_an_explicit_list_wins_and_is_sorted():
-    assert _buckets("8192, 1024,1024", [128], 8192) == [1024, 8192]
+    assert _ints("8192, 1024,1024") == (1024, 8192)

@@ -1,6 +1,7 @@
 """``minimax-m3 compile``: the CLI face of :mod:`minimax_m3.neuron.compile` (imports NxDI only when run).
 
-``minimax-m3 generate --backend neuron`` needs nothing here: it goes through ``engine.load_engine``.
+``minimax-m3 generate --backend neuron`` with the same engine options loads what this wrote: both go through
+:class:`minimax_m3.spec.EngineSpec`, whose ``artifact_dir()`` names the compiled directory.
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ from __future__ import annotations
 
 def _run(args) -> int:
     from ._sdk import import_neuron_module as _import
-    from .compile import check_dry_run
+    from .compile import check_backend, check_dry_run
 
+    check_backend(args)
     if args.dry_run:
         check_dry_run(args)  # every layout problem, before the (slow) NxDI import
     _import("config")  # without the Neuron SDK: one NeuronUnavailableError saying what to install

@@ -21,7 +21,6 @@ off on device, where it costs a ``bucket x vocab`` fp32 output per call (a scori
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -35,7 +34,6 @@ from .config import MiniMaxM3InferenceConfig, MiniMaxM3NeuronConfig, load_m3_con
 from .model import NeuronMiniMaxM3ForCausalLM, NeuronMiniMaxM3Model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SPEC_FILE = "minimax-m3-spec.json"  # the artifact key a compiled directory was built for
 
 
 def build_neuron_config(tp_degree: int = 1, batch_size: int = 1, max_seq_len: int = 256,
@@ -205,25 +203,6 @@ def inference_config(spec: EngineSpec, **extra) -> MiniMaxM3InferenceConfig:
         raise ConfigError([str(exc)], source=f"engine spec ({spec.backend})") from None
 
 
-def check_artifact(spec: EngineSpec, path: str) -> None:
-    """An artifact directory compiled for another spec is refused, naming every field that differs."""
-    saved = Path(path) / SPEC_FILE
-    if not saved.is_file():
-        return
-    have, want = json.loads(saved.read_text()), spec.artifact_key()
-    diff = [f"{k}: compiled for {have.get(k)!r}, asked for {want[k]!r}" for k in want if have.get(k) != want[k]]
-    if diff:
-        raise ConfigError(diff + [f"compile it again for these options, or pass the options it was compiled for "
-                                  f"({path}/{SPEC_FILE})"], source=f"compiled artifact {path}")
-
-
-def write_artifact_spec(spec: EngineSpec, path: str) -> None:
-    Path(path).mkdir(parents=True, exist_ok=True)
-    tmp = Path(path) / f".{SPEC_FILE}.tmp"
-    tmp.write_text(json.dumps(spec.artifact_key(), indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, Path(path) / SPEC_FILE)
-
-
 def load(spec: EngineSpec, compile_missing: bool = True) -> NeuronEngine:
     """The neuron engine of a validated, resolved ``spec``: NxDI's CPU mode (``neuron-cpu``), or the NEFFs at
     ``spec.artifact_dir()`` (compiled there first when missing and ``compile_missing``)."""
@@ -233,13 +212,13 @@ def load(spec: EngineSpec, compile_missing: bool = True) -> NeuronEngine:
         _to_cpu(app)
     else:
         path = spec.artifact_dir()
-        check_artifact(spec, path)
+        spec.check_artifact(path)
         if not (Path(path) / "model.pt").is_file():
             if not compile_missing:
                 raise ConfigError([f"no compiled model at {path}: run `minimax-m3 compile` with the same options "
                                    "(or pass --compiled DIR)"], source="neuron")
             print(f"neuron: no compiled model at {path}; compiling it (minimax-m3 compile does this ahead of time)")
             app.compile(path)
-            write_artifact_spec(spec, path)
+            spec.write_artifact(path)
         app.load(path)
     return NeuronEngine(app, config.m3_config(), spec)

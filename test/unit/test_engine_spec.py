@@ -1,0 +1,131 @@
+"""``EngineSpec``: per-backend defaults (one place), every problem listed at once before any work, the compiled
+artifact's location as a function of the options, and the shared command-line options (pure Python, no SDK)."""
+
+import json
+
+import pytest
+
+from minimax_m3.cli import build_parser
+from minimax_m3.config import ConfigError, M3Config
+from minimax_m3.spec import ARTIFACT_FIELDS, EngineSpec, SpecError, spec_from_args, spec_from_kwargs
+
+M3 = M3Config()  # the release: 64 heads, 4 KV heads, 128 experts, indexer block 128
+TINY = M3Config.preset("tiny")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("MINIMAX_M3_EP", raising=False)
+
+
+def test_defaults_per_backend(monkeypatch):
+    monkeypatch.setattr("minimax_m3.spec._cuda_available", lambda: False)
+    ref = EngineSpec("m").resolve(M3)
+    assert (ref.device, ref.dtype, ref.max_batch, ref.tp, ref.ep, ref.lnc, ref.max_context_len) == \
+        ("cpu", "float32", 8, 1, 1, 1, 4096)
+    assert ref.context_buckets is None and ref.token_buckets is None and ref.all_logits is None
+    neuron = EngineSpec("m", backend="neuron", max_seq_len=8192).resolve(M3)
+    assert (neuron.dtype, neuron.tp, neuron.ep, neuron.lnc, neuron.max_batch) == ("bfloat16", 64, 64, 2, 1)
+    assert neuron.continuous_batching is False and neuron.all_logits is False
+    assert neuron.context_buckets == (128, 256, 512, 1024, 2048, 4096, 8192)
+    assert neuron.token_buckets == (128, 256, 512, 1024, 2048, 4096, 8192)  # block-aligned, not one of 8192
+    cpu = EngineSpec("m", backend="neuron-cpu", max_batch=2, max_seq_len=300).resolve(TINY)
+    assert (cpu.dtype, cpu.tp, cpu.ep, cpu.lnc, cpu.continuous_batching, cpu.all_logits) == \
+        ("float32", 1, 1, 1, True, True)
+    assert cpu.token_buckets == (128, 256, 300)  # tiny's block is 16: 128 is its first multiple >= 128
+    monkeypatch.setattr("minimax_m3.spec._cuda_available", lambda: True)
+    assert EngineSpec("m").resolve().dtype == "bfloat16"  # reference on CUDA
+    # explicit context buckets set the longest prompt; --tp alone sets --ep on neuron
+    s = EngineSpec("m", backend="neuron", context_buckets=(1024, 2048), tp=32).resolve(M3)
+    assert (s.max_context_len, s.ep) == (2048, 32)
+
+
+def test_ep_from_the_environment_only_under_torchrun(monkeypatch):
+    monkeypatch.setenv("MINIMAX_M3_EP", "2")
+    assert EngineSpec("m").resolve().ep == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert (EngineSpec("m").resolve().tp, EngineSpec("m").resolve().ep) == (4, 2)
+    assert EngineSpec("m", ep=4).resolve().ep == 4  # the field wins
+
+
+def test_every_problem_is_listed_at_once(monkeypatch):
+    monkeypatch.setattr("minimax_m3.spec._cuda_available", lambda: False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)  # no NxDI here
+    problems = EngineSpec("m", backend="neuron-cpu", tp=3, ep=4, max_seq_len=500, max_context_len=600,
+                          token_buckets=(100, 500), lnc=3).problems(TINY)
+    want = ["max_context_len 600 exceeds max_seq_len 500", "ep 4 must divide tp 3", "lnc must be 1 or 2",
+            "ep 4: expert parallelism cannot run in NxDI's CPU mode",
+            "backend neuron-cpu needs NxD Inference importable: set NXDI_SRC and NXD_SRC",
+            "token-generation buckets [100, 500] must be multiples of index_block_size 16",
+            "tp 3 does not divide the 8 attention heads", "tp 3 and 2 KV heads: one must divide the other"]
+    assert len(problems) == len(want), problems
+    for w, p in zip(want, problems):
+        assert p.startswith(w), (w, p)
+    ref = EngineSpec("m", device="cuda", dtype="float16", context_buckets=(128,), tp=2).problems(TINY)
+    assert [p.split(" ")[0] for p in ref] == ["unknown", "context_buckets", "reference", "device"], ref
+    with pytest.raises(SpecError) as exc:
+        EngineSpec("m", device="cuda", dtype="float16").validate(TINY)
+    assert isinstance(exc.value, ConfigError) and len(exc.value.problems) == 2
+    assert "2 problem(s)" in str(exc.value) and "no CUDA device is available; use --device cpu" in str(exc.value)
+
+
+def test_a_valid_spec_validates_to_its_resolved_form():
+    s = EngineSpec("m", backend="reference", device="cpu").validate(TINY)
+    assert s == EngineSpec("m", device="cpu").resolve(TINY) and s.dtype == "float32"
+
+
+def _dir(**kw):
+    return EngineSpec("/ckpt", backend="neuron", **kw).artifact_dir(M3)
+
+
+def test_artifact_dir_is_named_by_every_field_that_changes_the_neffs():
+    base = _dir(max_seq_len=8192, max_batch=8)
+    assert base.startswith("/ckpt/neuron-tp64-ep64-lnc2-bf16-b8-s8192-")
+    # the same options (defaults spelled out or not) meet the same directory
+    assert _dir(max_seq_len=8192, max_batch=8, tp=64, ep=64, lnc=2, dtype="bfloat16",
+                context_buckets=(128, 256, 512, 1024, 2048, 4096, 8192), continuous_batching=True) == base
+    changed = dict(tp=32, ep=32, lnc=1, dtype="float32", max_batch=4, max_seq_len=4096, max_context_len=4096,
+                   context_buckets=(1024, 8192), token_buckets=(4096, 8192), continuous_batching=False,
+                   all_logits=True, on_device_sampling=True)
+    assert set(changed) == set(ARTIFACT_FIELDS)
+    dirs = {_dir(**{"max_seq_len": 8192, "max_batch": 8, **{k: v}}) for k, v in changed.items()}
+    assert base not in dirs and len(dirs) == len(changed)
+    assert _dir(compiled="/data/m3-tp64") == "/data/m3-tp64"  # --compiled names it exactly
+
+
+def test_artifact_record_refuses_other_options(tmp_path):
+    a = EngineSpec(str(tmp_path), backend="neuron", max_batch=8).resolve(M3)
+    a.write_artifact(str(tmp_path / "c"))
+    assert json.loads((tmp_path / "c" / "minimax-m3-spec.json").read_text())["max_batch"] == 8
+    a.check_artifact(str(tmp_path / "c"))
+    with pytest.raises(SpecError, match="max_batch: compiled for 8, asked for 4"):
+        EngineSpec(str(tmp_path), backend="neuron", max_batch=4).resolve(M3).check_artifact(str(tmp_path / "c"))
+
+
+ENGINE_OPTS = ["--model", "/ckpt", "--tp", "16", "--ep", "8", "--batch", "4", "--seq-len", "8192",
+               "--context-buckets", "2048,8192", "--token-buckets", "4096,8192", "--all-logits"]
+
+
+def test_compile_and_generate_with_the_same_options_meet_the_same_artifact():
+    p = build_parser()
+    comp = spec_from_args(p.parse_args(["compile", *ENGINE_OPTS]))
+    gen = spec_from_args(p.parse_args(["generate", "--backend", "neuron", "--prompt-ids", "1", *ENGINE_OPTS]))
+    assert comp == gen
+    assert comp.artifact_dir(M3) == gen.artifact_dir(M3)
+    assert (comp.tp, comp.ep, comp.max_batch, comp.max_seq_len, comp.context_buckets, comp.token_buckets,
+            comp.all_logits) == (16, 8, 4, 8192, (2048, 8192), (4096, 8192), True)
+    # golden and longbench take the same options, with the same meaning
+    lb = p.parse_args(["longbench", "--backend", "neuron", "--data", "d", "--out", "o", *ENGINE_OPTS])
+    gold = p.parse_args(["golden", "--backend", "neuron", "--prompts", "p", "--out", "o", *ENGINE_OPTS])
+    assert spec_from_args(lb) == spec_from_args(gold) == gen
+
+
+def test_keyword_form_and_bad_option_values():
+    s = spec_from_kwargs("m", "neuron-cpu", tp_degree=2, batch_size=3, max_context_length=80,
+                         context_encoding_buckets=[32, 64])
+    assert (s.tp, s.max_batch, s.max_context_len, s.context_buckets) == (2, 3, 80, (32, 64))
+    with pytest.raises(SpecError, match="unknown engine option 'batchsize'"):
+        spec_from_kwargs("m", batchsize=3)
+    with pytest.raises(SystemExit):  # argparse's own usage error for a malformed list
+        build_parser().parse_args(["generate", "--model", "m", "--prompt-ids", "1", "--token-buckets", "1,x"])
