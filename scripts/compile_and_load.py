@@ -7,6 +7,7 @@ Same code as ``minimax-m3 compile`` (this script runs that command, so ``--model
 verified where").
 
     python scripts/compile_and_load.py --model /data/MiniMax-M3 --batch 8 --seq-len 4096
+    minimax-m3 generate --backend neuron --model /data/MiniMax-M3 --batch 8 --seq-len 4096 --prompt "..."  # same NEFFs
     python scripts/compile_and_load.py --synthetic
 """
 

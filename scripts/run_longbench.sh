@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Run the standard LongBench suite (v1: 21 tasks, LongBench-E: 13 tasks, v2) through minimax-m3, offline.
 #
-#   trn2.48xlarge (NxDI):  BACKEND=neuron    MODEL=/path/to/compiled-or-release-dir scripts/run_longbench.sh
+#   trn2.48xlarge (NxDI):  BACKEND=neuron    MODEL=/path/to/checkpoint ENGINE_OPTS="--batch 8" scripts/run_longbench.sh
 #   GPU (reference torch): BACKEND=reference MODEL=/path/to/checkpoint DEVICE=cuda  scripts/run_longbench.sh
+#
+# ENGINE_OPTS takes the engine options every minimax-m3 command shares (README, "Engine spec"): --tp, --ep, --lnc,
+# --batch, --context-buckets, --token-buckets, --compiled DIR, ... With the same options as `minimax-m3 compile`
+# (and MAX_SEQ_LEN as its --seq-len), the neuron backend loads the NEFFs that compile wrote.
 #
 # Needs a THUDM/LongBench checkout (LONGBENCH_DIR, for config/dataset2prompt.json, dataset2maxlen.json and
 # prompts/0shot.txt) and the data downloaded once beforehand: v1 data.zip unzipped to $LONGBENCH_DIR/LongBench/data,
@@ -18,13 +22,16 @@ OUT="${OUT:-longbench_out/$(basename "$MODEL")-$BACKEND}"
 MAX_SEQ_LEN="${MAX_SEQ_LEN:-32768}"            # engine context: prompt + generated ids
 MAX_INPUT_TOKENS="${MAX_INPUT_TOKENS:-31500}"  # pred.py's max_length for a 32k model (v1/E)
 V2_MAX_INPUT_TOKENS="${V2_MAX_INPUT_TOKENS:-$((MAX_SEQ_LEN - 640))}"  # v2: 128 new ids + chat wrapper
-BATCH_SIZE="${BATCH_SIZE:-1}"
+BATCH_SIZE="${BATCH_SIZE:-1}"  # prompts handed to the engine per call: match the engine's --batch to fill its slots
 SUITES="${SUITES:-v1 e v2}"
 LIMIT_ARGS=()
 [[ -n "${LIMIT:-}" ]] && LIMIT_ARGS=(--limit "$LIMIT")
 ENGINE_ARGS=(--backend "$BACKEND" --model "$MODEL" --max-seq-len "$MAX_SEQ_LEN")
 [[ -n "${TOKENIZER:-}" ]] && ENGINE_ARGS+=(--tokenizer "$TOKENIZER")
-[[ "$BACKEND" == "reference" ]] && ENGINE_ARGS+=(--device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}")
+[[ "$BACKEND" == "reference" ]] && ENGINE_ARGS+=(--device "${DEVICE:-cuda}")
+[[ -n "${DTYPE:-}" ]] && ENGINE_ARGS+=(--dtype "$DTYPE")   # default: bf16 on neuron and CUDA
+read -r -a EXTRA <<< "${ENGINE_OPTS:-}"
+ENGINE_ARGS+=("${EXTRA[@]}")
 
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
