@@ -36,7 +36,8 @@ def bench_config(hidden: int, experts: int, layers: int) -> M3Config:
     return M3Config(
         vocab_size=32768, hidden_size=hidden, num_layers=layers, num_heads=32, num_kv_heads=4, head_dim=128,
         rotary_dim=64, intermediate_size=hidden // 2, dense_intermediate_size=2 * hidden,
-        shared_intermediate_size=hidden // 2, num_experts=experts, top_k=4, moe_layers=(False,) + (True,) * (layers - 1),
+        shared_intermediate_size=hidden // 2, num_experts=experts, top_k=4,
+        moe_layers=(False,) + (True,) * (layers - 1),
         sparse_layers=(False,) + (True,) * (layers - 1), index_heads=4, index_head_dim=128, index_block_size=128,
         index_topk=16, bos_token_id=1, eos_token_id=2)
 

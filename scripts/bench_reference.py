@@ -278,7 +278,7 @@ def main() -> int:
                 budget -= need
         res.update(_measure(live, args, ckpt, n) if live else {})
         base = next((res[i] for i in args.impls if "logits" in res.get(i, {})), None)
-        for impl, r in res.items():
+        for r in res.values():
             if "logits" in r and r is not base:
                 scale = max(1.0, max(float(x.abs().max()) for x in base["logits"]))
                 r["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(base["logits"], r["logits"])) / scale

@@ -72,8 +72,8 @@ def translate(e: BaseException, uri: str, action: str) -> StorageError:
     if isinstance(e, StorageError):
         return e
     if isinstance(e, NoCredentialsError):
-        return AccessDeniedError(f"{action} on {uri}: no AWS credentials found; configure them "
-                                 "(aws configure, AWS_PROFILE, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an instance role)")
+        return AccessDeniedError(f"{action} on {uri}: no AWS credentials found; configure them (aws configure, "
+                                 "AWS_PROFILE, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an instance role)")
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         bucket = uri[5:].split("/", 1)[0]

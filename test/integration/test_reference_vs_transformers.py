@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from minimax_m3 import GenerationConfig
-from minimax_m3.config import M3Config
 from minimax_m3.reference.engine import ReferenceEngine
 from test.conftest import random_ids
 

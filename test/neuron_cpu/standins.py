@@ -141,7 +141,7 @@ def install(cpu_mode: bool = True) -> None:
     import torch_xla  # noqa: F401  (real, before the libneuronxla stand-in exists)
 
     sys.meta_path.insert(0, _Finder())
-    setattr(torch.classes, "neuron", _NeuronClasses())
+    torch.classes.neuron = _NeuronClasses()
     try:
         import transformers.utils.fx  # noqa: F401
     except Exception:

@@ -30,8 +30,8 @@ def test_suite_under_torchrun(tp, path, tmp_path):
     env = dict(os.environ, NEURON_CPU_BASETEMP=str(tmp_path), OMP_NUM_THREADS="1")
     logs = tmp_path / "rank-logs"  # one stdout per rank: interleaved console output cannot be counted reliably
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", f"--master-port={free_port()}",
-           f"--log-dir={logs}", "--redirects=3", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "test.neuron_cpu.plugin",
-           "--backend", "neuron-cpu", path]
+           f"--log-dir={logs}", "--redirects=3", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+           "-p", "test.neuron_cpu.plugin", "--backend", "neuron-cpu", path]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     rank_out = sorted(logs.glob("**/stdout.log"))
     text = "\n".join(f.read_text() for f in rank_out)

@@ -240,7 +240,8 @@ def test_interrupted_download_resumes_and_keeps_only_verified_files(bucket, tmp_
     dest = tmp_path / "dl"
 
     def die(op, params, n):  # the network goes away in the middle of the 6 MiB shard
-        if op == "GetObject" and params["Key"].endswith("00001-of-00002.safetensors") and params.get("Range", "").startswith("bytes=3"):
+        if (op == "GetObject" and params["Key"].endswith("00001-of-00002.safetensors")
+                and params.get("Range", "").startswith("bytes=3")):
             raise EndpointConnectionError(endpoint_url="http://simulated")
 
     with pytest.raises(storage.TransferInterruptedError, match="re-run the same command to resume"):

@@ -26,7 +26,7 @@ from minimax_m3.storage import MANIFEST_NAME, STAGING_NAME, UPLOADING_NAME  # no
 SHARD = "model-00001-of-00002.safetensors"  # 6 MiB: multipart with UP's 5 MiB parts
 
 
-def upload_plain(src: Path, bucket: str, prefix: str) -> dict[str, str]:
+def upload_plain(src: Path, bucket: str, prefix: str) -> dict[str, str]:  # noqa: F811  (the imported fixture)
     """What users do: boto3's ``upload_file`` per file, no manifest. Returns relative path -> ETag."""
     s3 = boto3.client("s3")
     for p in sorted(src.rglob("*")):
@@ -36,7 +36,7 @@ def upload_plain(src: Path, bucket: str, prefix: str) -> dict[str, str]:
     return {o["Key"][len(prefix) + 1:]: o["ETag"] for o in listed}
 
 
-def rot_in_store(bucket: str, key: str) -> None:
+def rot_in_store(bucket: str, key: str) -> None:  # noqa: F811  (the imported fixture)
     """Flip one byte of a stored object inside moto; its ETag (computed at upload) stays, as on S3."""
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
@@ -48,7 +48,7 @@ def rot_in_store(bucket: str, key: str) -> None:
     assert obj.etag == etag
 
 
-def test_foreign_prefix_loads_verified_and_cached(bucket, tmp_path):
+def test_foreign_prefix_loads_verified_and_cached(bucket, tmp_path):  # noqa: F811  (the imported fixture)
     src = make_checkpoint(tmp_path / "ckpt")
     etags = upload_plain(src, bucket, "hf/m3")
     boto3.client("s3").put_object(Bucket=bucket, Key="hf/m3/empty-folder/", Body=b"")  # console "folder"
@@ -93,7 +93,7 @@ def test_foreign_prefix_loads_verified_and_cached(bucket, tmp_path):
     assert (got / MANIFEST_NAME).read_bytes() == storage.manifest_bytes(storage.build_manifest(src))
 
 
-def test_md5_of_a_plain_etag_refuses_a_damaged_object(bucket, tmp_path, monkeypatch):
+def test_md5_of_a_plain_etag_refuses_a_damaged_object(bucket, tmp_path, monkeypatch):  # noqa: F811  (the imported fixture)
     # botocore's own CRC check of whole-object GETs is turned off: older uploads carry no CRC.
     monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
     src = make_checkpoint(tmp_path / "ckpt")
@@ -108,7 +108,7 @@ def test_md5_of_a_plain_etag_refuses_a_damaged_object(bucket, tmp_path, monkeypa
     assert [p.name for p in (dest / STAGING_NAME).rglob("*") if p.is_file()] == ["verified.jsonl"]
 
 
-def test_kms_etag_is_not_taken_for_an_md5(bucket, tmp_path):
+def test_kms_etag_is_not_taken_for_an_md5(bucket, tmp_path):  # noqa: F811  (the imported fixture)
     """Real S3 gives SSE-KMS objects an ETag that is not the bytes' MD5 (moto does not): the listing is
     rewritten as S3 would answer, and only the object that HEAD reports as aws:kms is accepted."""
     s3 = boto3.client("s3")
@@ -127,7 +127,7 @@ def test_kms_etag_is_not_taken_for_an_md5(bucket, tmp_path):
     assert sorted(rec.keys("HeadObject")) == ["kms/a.bin", "kms/b.bin"]
 
 
-def test_interrupted_foreign_download_resumes(bucket, tmp_path):
+def test_interrupted_foreign_download_resumes(bucket, tmp_path):  # noqa: F811  (the imported fixture)
     src = make_checkpoint(tmp_path / "ckpt")
     upload_plain(src, bucket, "ck")
     uri, dest = f"s3://{bucket}/ck", tmp_path / "dl"
@@ -149,7 +149,7 @@ def test_interrupted_foreign_download_resumes(bucket, tmp_path):
     assert_same_tree(src, dest)
 
 
-def test_interrupted_own_upload_is_refused_and_resumes(bucket, tmp_path):
+def test_interrupted_own_upload_is_refused_and_resumes(bucket, tmp_path):  # noqa: F811  (the imported fixture)
     src = make_checkpoint(tmp_path / "ckpt")
     uri = f"s3://{bucket}/own"
 
@@ -178,7 +178,7 @@ def test_interrupted_own_upload_is_refused_and_resumes(bucket, tmp_path):
     assert_same_tree(src, storage.resolve(uri, tmp_path / "cache", quiet=True))
 
 
-def test_listing_errors_name_the_problem(bucket, tmp_path):
+def test_listing_errors_name_the_problem(bucket, tmp_path):  # noqa: F811  (the imported fixture)
     s3 = boto3.client("s3")
     s3.put_object(Bucket=bucket, Key="dirs/a/", Body=b"")
     with pytest.raises(storage.ObjectNotFoundError, match=r"dirs: the prefix holds only folder placeholders"):

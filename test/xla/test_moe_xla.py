@@ -5,15 +5,15 @@ import torch
 from . import _layer as L
 from .conftest import run_on_xla
 
-E, K, H, I = 8, 2, 32, 24
+E, K, H, INTER = 8, 2, 32, 24
 
 
 def _weights(seed: int):
     g = torch.Generator().manual_seed(seed)
     router = torch.randn(E, H, generator=g) * 0.3
     bias = torch.randn(E, generator=g) * 0.5  # non-uniform: it must change the selection
-    gate_up = torch.randn(E, H, 2 * I, generator=g) * 0.3
-    down = torch.randn(E, I, H, generator=g) * 0.3
+    gate_up = torch.randn(E, H, 2 * INTER, generator=g) * 0.3
+    down = torch.randn(E, INTER, H, generator=g) * 0.3
     return router, bias, gate_up, down
 
 
@@ -36,7 +36,7 @@ def _loop_oracle(x, router, bias, gate_up, down):
         chosen = sorted(range(E), key=lambda e: -(s[e] + bias[e]).item())[:K]
         wsum = sum(s[e] for e in chosen)
         for e in chosen:
-            g, u = (x[t] @ gate_up[e]).split(I)
+            g, u = (x[t] @ gate_up[e]).split(INTER)
             g, u = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
             out[t] += 2.0 * (s[e] / wsum) * (((u + 1) * g * torch.sigmoid(1.702 * g)) @ down[e])
     return out.float()

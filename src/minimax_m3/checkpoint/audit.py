@@ -58,10 +58,12 @@ class Audit:
             reasons[r] = reasons.get(r, 0) + 1
         lines = [
             f"audit ({self.target}): {'PASS' if self.ok else 'FAIL'}",
-            f"  source : {self.source_tensors} tensors, {self.source_bytes:,} B = {self.source_bytes / gb:.3f} GB — consumed "
+            f"  source : {self.source_tensors} tensors, {self.source_bytes:,} B = {self.source_bytes / gb:.3f} GB "
+            "— consumed "
             f"{self.consumed_tensors} ({self.consumed_bytes / gb:.3f} GB), skipped {self.skipped_tensors} "
             f"({self.skipped_bytes / gb:.3f} GB), unaccounted {len(self.unaccounted)}",
-            f"  target : planned {self.target_tensors} tensors, {self.target_bytes:,} B = {self.target_bytes / gb:.3f} GB in {self.shards} "
+            f"  target : planned {self.target_tensors} tensors, {self.target_bytes:,} B = "
+            f"{self.target_bytes / gb:.3f} GB in {self.shards} "
             f"shard(s); written {self.written_tensors} tensors, {self.written_bytes:,} B "
             f"({self.resumed_shards} shard(s) resumed)",
             f"  missing {len(self.missing)}, unexpected {len(self.unexpected)}, shape mismatches "

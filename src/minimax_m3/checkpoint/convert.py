@@ -226,7 +226,7 @@ def convert(src: str | Path, out: str | Path, to: str = "bf16", dtype: torch.dty
     threads = torch.get_num_threads()
     torch.set_num_threads(TORCH_THREADS)
     try:
-        for shard, (unit, entries) in zip(plan.shards, plan.units):
+        for shard, (_unit, entries) in zip(plan.shards, plan.units):
             size = sum(e.nbytes for e in entries)
             path = stage / shard
             rec = done.get(shard)

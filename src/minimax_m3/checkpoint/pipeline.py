@@ -5,8 +5,9 @@ A shard's entries become *tasks*: one per tensor, or one per row block — per e
 copies and dim-0 concatenations. Up to ``AHEAD`` tasks run at once on
 ``workers`` threads (file reads, torch kernels, ``zlib.crc32`` and file writes all release the GIL), each piece's
 CRC32 computed there too; the main thread combines the CRCs and hands the pieces, in order, to the writer thread,
-which writes them and gives their buffers back to the pool. A task whose tensor is at least ``OVERLAP_LIMIT`` bytes runs alone and is written before anything
-else starts, so peak memory stays about one rule's sources and result.
+which writes them and gives their buffers back to the pool. A task whose tensor is at least ``OVERLAP_LIMIT``
+bytes runs alone and is written before anything else starts, so peak memory stays about one rule's sources and
+result.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def bytes_view(t: torch.Tensor) -> memoryview:
 def write_shard(path: Path, header: bytes, entries: list, tasks: Callable, opener: Opener, pool=None,
                 workers: int = WORKERS, done: Callable = lambda e: None) -> tuple[int, int]:
     """Write ``header`` then, for each entry (``.name``, ``.shape``, ``.dtype``, ``.nbytes``), the pieces made by
-    the callables ``tasks(entry)`` returns: the whole tensor, or consecutive row blocks of it (dim 0). ``done(entry)`` is called once an entry is handed to the writer. Returns (size, crc32); removes the file
-    on any failure."""
+    the callables ``tasks(entry)`` returns: the whole tensor, or consecutive row blocks of it (dim 0).
+    ``done(entry)`` is called once an entry is handed to the writer. Returns (size, crc32); removes the file on any
+    failure."""
     q: queue.Queue = queue.Queue(maxsize=AHEAD)
     err: list[BaseException] = []
     state = {"crc": 0, "size": 0}

@@ -228,7 +228,8 @@ class CheckpointReader:
             if not info.shape or not 0 <= r0 <= r1 <= info.shape[0]:
                 raise ValueError(f"{key}: rows {rows} outside {list(info.shape)}")
             row = info.nbytes // info.shape[0] if info.shape[0] else 0
-            info = TensorInfo(info.shard, info.dtype, (r1 - r0, *info.shape[1:]), info.start + r0 * row, (r1 - r0) * row)
+            info = TensorInfo(info.shard, info.dtype, (r1 - r0, *info.shape[1:]), info.start + r0 * row,
+                              (r1 - r0) * row)
         f = self._files.get(info.shard)
         if f is None:
             with self._open_lock:  # readers on several threads (preadv itself takes explicit offsets)
