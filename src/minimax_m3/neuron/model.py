@@ -7,7 +7,7 @@ import logging
 import torch
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM, NeuronBaseModel
-from neuronx_distributed_inference.modules.generation.sampling import create_sampler
+from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG
 from torch import nn
 
 from ..checkpoint import CheckpointError, convert
@@ -16,6 +16,7 @@ from .attention import NeuronMiniMaxM3Attention
 from .config import MiniMaxM3InferenceConfig
 from .kv_cache import M3KVCacheManager
 from .layers import GemmaNorm, SwiGLUOAIMLP
+from .sampling import SeededModelWrapper, SeededSampler, create_m3_sampler, validate, widen
 from .moe import attach_shared_expert, initialize_m3_moe_module
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class NeuronMiniMaxM3Model(NeuronBaseModel):
     def forward(self, input_ids, attention_mask, position_ids, *args, **kwargs):
         """NxDI's forward, with the prefill's last real token found from the attention mask (see
         :meth:`get_model_output`)."""
-        self._last_real = None
+        self._last_real, self._positions = None, position_ids
         if attention_mask.dim() == 2 and self._is_context_encoding(input_ids) \
                 and not self.config.neuron_config.prefill_all_logits:
             # right padding: the last real token of a row is its mask's length - 1. NxDI infers a width-0 mask
@@ -135,8 +136,21 @@ class NeuronMiniMaxM3Model(NeuronBaseModel):
         """As NxDI's, with the index-K cache added to the aliased cache list."""
         if self.on_device_sampling:
             tp = self.lm_head.tensor_parallel_group.size() if hasattr(self.lm_head, "tensor_parallel_group") else None
-            self.sampler = create_sampler(config.neuron_config, tp)
+            self.sampler = create_m3_sampler(config.neuron_config, tp)
         self.kv_mgr = M3KVCacheManager(config, num_kv_head=self.num_key_value_heads, global_rank=self.rank_util)
+
+    def _sample_on_device(self, logits, sampling_params, is_for_speculation, is_for_context_encoding):
+        """NxDI's, with the seeded sampler given each row's counter: the position of the token it samples after
+        (the prefill's last real token, or the decode token's position), and that row's logits."""
+        if not isinstance(self.sampler, SeededSampler) or is_for_speculation:
+            return super()._sample_on_device(logits, sampling_params, is_for_speculation, is_for_context_encoding)
+        last = self._last_real if is_for_context_encoding else None
+        counter = last if last is not None else self._positions.max(dim=1).values
+        if logits.shape[1] > 1:  # all-position prefill logits
+            row = torch.gather(logits, 1, counter.to(torch.long).view(-1, 1, 1).expand(-1, 1, logits.shape[2]))[:, 0]
+        else:
+            row = logits[:, -1, :]
+        return self.sampler(row, sampling_params, rank_id=self.rank_util.get_rank(), positions=counter).to(torch.int32)
 
 
 def stream_state_dict(path, config: MiniMaxM3InferenceConfig) -> dict:
@@ -170,8 +184,21 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
     def get_state_dict(cls, model_name_or_path: str, config: MiniMaxM3InferenceConfig) -> dict:
         return stream_state_dict(model_name_or_path, config)
 
+    def get_model_wrapper_cls(self):
+        return SeededModelWrapper if self.neuron_config.on_device_sampling_config else super().get_model_wrapper_cls()
+
+    def validate_sampling_params(self, params: torch.Tensor) -> None:
+        if self.neuron_config.on_device_sampling_config:
+            validate(params, self.neuron_config.on_device_sampling_config)
+
     def forward(self, *args, **kwargs):
-        """NxDI's forward, with the LM head's vocabulary padding (a multiple of TP, masked) sliced off."""
+        """NxDI's forward, with the LM head's vocabulary padding (a multiple of TP, masked) sliced off; with
+        on-device sampling, NxDI's three-column sampling params get seed 0 (``neuron.sampling.widen``)."""
+        if self.neuron_config.on_device_sampling_config:
+            if len(args) > 4:
+                args = (*args[:4], widen(args[4], self.default_sampling_params), *args[5:])
+            else:
+                kwargs["sampling_params"] = widen(kwargs.get("sampling_params"), self.default_sampling_params)
         out = super().forward(*args, **kwargs)
         vocab = self.config.vocab_size
         if getattr(out, "logits", None) is not None and out.logits.shape[-1] > vocab:
@@ -190,11 +217,29 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
                                    for k in bad], source=f"converted state dict (rule table: {RULES})")
         return sd
 
+    # Per-submodel compiler arguments as NxDI's Qwen3-MoE sets them (models/qwen3_moe/modeling_qwen3_moe.py:503-543,
+    # NxDI 4bcdc54): ``compile_tag`` is set just before NxDI's enable_* builds each ModelWrapper (model_base.py
+    # enable_context_encoding / enable_token_generation call get_compiler_args() there).
+    def enable_context_encoding(self, **kwargs):
+        self.compile_tag = CONTEXT_ENCODING_MODEL_TAG
+        super().enable_context_encoding(**kwargs)
+
+    def enable_token_generation(self, *args, **kwargs):
+        self.compile_tag = TOKEN_GENERATION_MODEL_TAG
+        super().enable_token_generation(*args, **kwargs)
+
     def get_compiler_args(self):
-        args = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1"
+        """Context encoding ``-O1`` (modular flow); token generation ``-O3`` with expert parallelism ("Disable
+        Modular flow for TKG graph with EP enabled as it causes perf degradation", qwen3_moe:518-519), else
+        ``-O1``. The rest as Qwen3-MoE; NxDI's ModelWrapper appends ``--verify-hlo=true`` itself
+        (model_wrapper.py:159-162)."""
+        nc = self.neuron_config
+        tkg = getattr(self, "compile_tag", None) == TOKEN_GENERATION_MODEL_TAG
+        opt = "-O3" if tkg and nc.moe_ep_degree > 1 else "-O1"
+        args = (f"--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer {opt}"
                 " --tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2'"
                 " --auto-cast=none --internal-enable-dge-levels vector_dynamic_offsets"
-                f" --lnc={self.neuron_config.logical_nc_config}")
+                f" --lnc={nc.logical_nc_config}")
         if self.neuron_config.scratchpad_page_size:
             args += f" --hbm-scratchpad-page-size={self.neuron_config.scratchpad_page_size}"
         return args

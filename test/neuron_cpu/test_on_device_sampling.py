@@ -1,0 +1,123 @@
+"""On-device sampling (``neuron.sampling``) in NxDI's CPU mode, at this process's TP degree.
+
+Oracles: the reference engine's greedy tokens (graded against transformers elsewhere) for greedy; for sampling,
+the draw of :func:`minimax_m3.ops.seeded_sampling.seeded_sample` (graded in ``test/unit/test_seeded_sampling.py``
+against the reference distribution by hand and by chi-square) applied to the same step's logits, which the build
+also returns (``output_logits``); the same sequence's tokens in a batch-of-one build. Tokens leave the traced
+model as int32 ids, one per row and call.
+"""
+
+import pytest
+import torch
+
+from minimax_m3.config import M3Config
+
+pytestmark = pytest.mark.neuron_cpu
+STEPS = 6
+PROMPTS = [[7, 300, 12, 45, 99, 3, 18, 250, 61, 5] * 3, [3, 4, 5], [400, 2, 90, 61, 11, 260, 19, 8]]
+SEEDS = [11, 12345, 2**31 + 5]
+GLOBAL_TOPK = 512  # the tiny vocabulary: every token is a candidate, so the draw is exact
+
+
+def _app(ckpt, batch: int):
+    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
+    from minimax_m3.neuron.engine import _to_cpu, application, build_neuron_config
+    from minimax_m3.neuron.sampling import on_device_sampling_config
+
+    from .plugin import world_size
+
+    nc = build_neuron_config(tp_degree=world_size(), batch_size=batch, max_seq_len=96, max_context_length=80,
+                             dtype="float32", on_cpu=True, continuous_batching=False, prefill_all_logits=False,
+                             on_device_sampling_config=on_device_sampling_config(global_topk=GLOBAL_TOPK),
+                             output_logits=True)
+    app = application(str(ckpt), MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(str(ckpt))))
+    _to_cpu(app)
+    return app
+
+
+@torch.no_grad()
+def _run(app, prompts, sp):
+    """Static batch: one prefill, then STEPS - 1 decode steps; tokens [B, STEPS] and logits [B, STEPS, V]."""
+    b, width = len(prompts), max(len(p) for p in prompts)
+    ids, pos, mask = (torch.zeros(b, width, dtype=torch.long) for _ in range(3))
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)], pos[r, : len(p)], mask[r, : len(p)] = torch.tensor(p), torch.arange(len(p)), 1
+    app.reset()
+    out = app(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=torch.arange(b), sampling_params=sp)
+    toks, logits = [out.tokens.reshape(-1)], [out.logits[:, -1].float()]
+    cur = torch.tensor([len(p) for p in prompts])
+    for _ in range(STEPS - 1):
+        out = app(input_ids=toks[-1].view(-1, 1).long(), position_ids=cur.view(-1, 1), seq_ids=torch.arange(b),
+                  sampling_params=sp)
+        toks.append(out.tokens.reshape(-1))
+        logits.append(out.logits[:, -1].float())
+        cur = cur + 1
+    return torch.stack(toks, 1), torch.stack(logits, 1)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+
+    return write_synthetic(tmp_path_factory.mktemp("m3") / "tiny", M3Config.preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def apps(ckpt):
+    return _app(ckpt, 3), _app(ckpt, 1)
+
+
+def _sp(rows):
+    from minimax_m3.neuron.sampling import params
+
+    return params(rows, GLOBAL_TOPK)
+
+
+def test_greedy_tokens_equal_the_golden(apps, ckpt):
+    from minimax_m3.engine import GenerationConfig
+    from minimax_m3.reference.engine import ReferenceEngine
+
+    ref = ReferenceEngine.from_pretrained(str(ckpt), device="cpu", dtype="float32", max_seq_len=128)
+    want = [r.tokens for r in ref.generate(PROMPTS, GenerationConfig(max_new_tokens=STEPS))]
+    toks, logits = _run(apps[0], PROMPTS, _sp([(0, 1.0, 0.0, None)] * 3))
+    assert toks.dtype == torch.int32 and toks.tolist() == want
+    assert torch.equal(toks.long(), logits.argmax(-1))  # the logits returned on request are the step's own
+
+
+SETTINGS = [(0, 1.0, 1.0), (20, 1.0, 0.8), (0, 0.9, 1.3)]  # (top_k, top_p, temperature) per row
+
+
+def test_sampled_tokens_are_the_seeded_draw_of_each_steps_logits(apps):
+    from minimax_m3.ops.seeded_sampling import seed_words, seeded_sample
+
+    rows = [(*s, seed) for s, seed in zip(SETTINGS, SEEDS)]
+    toks, logits = _run(apps[0], PROMPTS, _sp(rows))
+    for r, (k, p, t, seed) in enumerate(rows):
+        lo, hi = seed_words(seed)
+        pos = torch.arange(STEPS) + len(PROMPTS[r]) - 1  # the position of the token each draw follows
+        want = seeded_sample(logits[r], torch.full((STEPS,), t), torch.full((STEPS,), k), torch.full((STEPS,), p),
+                             torch.full((STEPS,), float(lo)), torch.full((STEPS,), float(hi)), pos)
+        assert toks[r].tolist() == want.tolist(), r
+    assert toks[0].tolist() != logits[0].argmax(-1).tolist()  # these seeds do sample off the argmax
+
+
+def test_a_sequence_samples_the_same_tokens_alone_and_in_a_batch_of_3(apps):
+    batch, alone = apps
+    rows = [(*s, seed) for s, seed in zip(SETTINGS, SEEDS)]
+    in_batch, _ = _run(batch, PROMPTS, _sp(rows))
+    for r in range(3):
+        solo, _ = _run(alone, [PROMPTS[r]], _sp([rows[r]]))
+        assert solo[0].tolist() == in_batch[r].tolist(), r
+    # other neighbours, other seeds around row 1: row 1 unchanged
+    swapped, _ = _run(batch, [PROMPTS[2], PROMPTS[1], PROMPTS[0]], _sp([rows[2], rows[1], (0, 1.0, 1.0, 999)]))
+    assert swapped[1].tolist() == in_batch[1].tolist()
+
+
+def test_bad_sampling_params_are_one_error(apps):
+    from minimax_m3.neuron.sampling import WIDTH
+
+    app = apps[1]
+    with pytest.raises(ValueError, match="seed columns must be integers"):
+        app.validate_sampling_params(torch.tensor([[1.0, 1.0, 1.0, 0.5, 0.0]]))
+    with pytest.raises(ValueError, match=rf"\[batch, {WIDTH}\]"):
+        app.validate_sampling_params(torch.ones(1, 4))
