@@ -41,7 +41,38 @@ def build_app(ckpt: str, tp: int, ep: int, dtype: str = "bfloat16"):
     return NeuronMiniMaxM3ForCausalLM(ckpt, MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(ckpt)))
 
 
+def wide_config(layers: int = 3, experts: int = 64, expert_intermediate: int = 256, vocab: int = 32768):
+    """MiniMax-M3 at full width (hidden 6144, 64 q / 4 KV / 4 index heads of 128, dense 12288, shared 3072) with
+    one dense layer then sparse MoE layers, fewer and narrower experts and a smaller vocabulary (so the checkpoint
+    stays a few GB): the per-unit memory of the sharding at real attention and MLP widths."""
+    from minimax_m3.config import M3Config
+
+    moe = (False,) + (True,) * (layers - 1)
+    return M3Config.preset("m3").replace(num_layers=layers, num_experts=experts, intermediate_size=expert_intermediate,
+                                         vocab_size=vocab, moe_layers=moe, sparse_layers=moe)
+
+
+def measure(root: Path, tp: int = 64, ep: int = 64) -> dict:
+    """Both paths on :func:`wide_config` at TP / EP (one process each, run one after the other)."""
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+
+    ckpt = root / "wide"
+    if not (ckpt / "config.json").is_file():
+        write_synthetic(ckpt, wide_config(), seed=0)
+    size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    out = {"checkpoint_bytes": size}
+    for mode in ("stream", "nxd"):
+        out[mode] = run(mode, ckpt, root / mode, tp, ep, timeout=3600)
+        out[mode]["files_bytes"] = sum(p.stat().st_size for p in (root / mode).glob("tp*.safetensors"))
+        for p in (root / mode).glob("tp*.safetensors"):
+            p.unlink()
+    return out
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "measure":
+        print(json.dumps(measure(Path(argv[1])), indent=1))
+        return 0
     mode, ckpt, out, tp, ep = argv[0], argv[1], Path(argv[2]), int(argv[3]), int(argv[4])
     dtype = argv[5] if len(argv) > 5 else "bfloat16"
     out.mkdir(parents=True, exist_ok=True)
@@ -64,7 +95,8 @@ def main(argv: list[str]) -> int:
     else:
         raise SystemExit(f"unknown mode {mode!r}: nxd or stream")
     report = {"mode": mode, "tp": tp, "ep": ep, "seconds": time.perf_counter() - t0, "maxrss_before_mb": before,
-              "maxrss_mb": _maxrss_mb(), **{k: v for k, v in extra.items() if k in ("units", "keys", "bytes")}}
+              "maxrss_mb": _maxrss_mb(),
+              **{k: v for k, v in extra.items() if k in ("units", "keys", "bytes", "max_unit_bytes")}}
     (out / "report.json").write_text(json.dumps(report))
     return 0
 

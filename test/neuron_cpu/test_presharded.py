@@ -55,7 +55,8 @@ def test_streamed_rank_files_equal_nxd_shard_checkpoint(ckpt, tmp_path, tp, ep, 
         assert not bad, f"rank {r}: differs from NxD's shard for {bad}"
     # the per-rank files hold the expert hooks' rank tensors (at EP > 1) and sliced tensors
     assert any(".spmd_rank.local_expert_indices" in k for k in got[0]) == (ep > 1)
-    assert got[0]["layers.1.self_attn.qkv_proj.q_proj.weight"].shape == (8 * 32 // tp, 128)  # 8 q heads x 32, hidden 128
+    q = got[0]["layers.1.self_attn.qkv_proj.q_proj.weight"]
+    assert q.shape == (8 * 32 // tp, 128)  # 8 q heads of 32, hidden 128
     assert nxd["maxrss_mb"] > 0 and streamed["bytes"] == sum(
         sum(t.numel() * t.element_size() for t in f.values()) for f in got)
 

@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import convert
 from ..checkpoint.pipeline import bytes_view
 from ..checkpoint.reader import DTYPE_NAMES
 
@@ -130,11 +129,13 @@ def reserve(model: nn.Module) -> int:
 
 def shard_units(builder, model: nn.Module, pairs, ranks, sink) -> dict:
     """NxD's sharding of each unit of ``pairs`` for ``ranks``; ``sink(rank, name, tensor)`` receives every slice.
-    Returns ``{"units": n, "keys": k}``. Must run inside NxD's sharding context (:func:`nxd_sharding_model`)."""
+    Returns ``{"units": n, "keys": k, "max_unit_bytes": b}`` (b: the largest unit as converted). Must run inside
+    NxD's sharding context (:func:`nxd_sharding_model`)."""
     from neuronx_distributed.trace.trace import get_sharded_checkpoint, preprocess_checkpoint
 
-    n_units = n_keys = 0
+    n_units = n_keys = largest = 0
     for unit, part in units(pairs):
+        largest = max(largest, sum(t.numel() * t.element_size() for t in part.values()))
         view = submodule_for(model, unit)
         preprocess_checkpoint(view, part)
         builder.cast_weights(part, view, "")
@@ -146,7 +147,7 @@ def shard_units(builder, model: nn.Module, pairs, ranks, sink) -> dict:
             del sharded
         n_units, n_keys = n_units + 1, n_keys + len(part)
         del part
-    return {"units": n_units, "keys": n_keys}
+    return {"units": n_units, "keys": n_keys, "max_unit_bytes": largest}
 
 
 class nxd_sharding_model:
