@@ -21,8 +21,10 @@ def load_engine(spec: EngineSpec | str, backend: str | None = None, **kw) -> Eng
         spec = spec_from_kwargs(spec, backend or "reference", **kw)
     elif backend is not None or kw:
         raise TypeError("load_engine(spec) takes no other arguments; put them in the EngineSpec")
-    if spec.backend in BACKENDS:  # s3:// models are downloaded (or found in the cache) once, here
+    if spec.backend in BACKENDS:  # s3:// models (and compiled artifacts) are downloaded, or found cached, once here
         spec = dataclasses.replace(spec, model=str(storage.resolve(spec.model, spec.cache_dir)))
+        if spec.compiled and storage.is_s3(spec.compiled):
+            spec = dataclasses.replace(spec, compiled=str(storage.resolve(spec.compiled, spec.cache_dir)))
     if spec.backend == "reference":
         from .reference.engine import load_reference
 
