@@ -1,7 +1,9 @@
 """A sparse decoder layer's attention, and the routed MoE, written the way the Neuron graph runs them.
 
-Pure functions of tensors and ints, built only from ``minimax_m3.ops``: the same code runs eagerly on the CPU
-(the oracle) and traced on the XLA device. Caches are inputs and outputs (the graph aliases them on Neuron).
+Pure functions of tensors and ints around the step that ships (``ops.prefill_step`` / ``ops.decode_step``, which the
+reference model and the Neuron attention call): the same code runs eagerly on the CPU (the oracle) and traced on the
+XLA device. Caches are inputs and outputs (the graph aliases them on Neuron), written after the step as the backends
+write them.
 """
 
 import torch
@@ -11,6 +13,7 @@ from minimax_m3 import ops
 # A small geometry in which the indexer really drops blocks: 96 tokens = 6 blocks of 16, top-2 kept.
 HQ, HKV, D, ROT, DI, BS, TOPK, TILE, EPS, THETA = 4, 2, 16, 8, 16, 16, 2, 32, 1e-6, 10000.0
 HID = 32
+SEL = ops.Selection(BS, TOPK)
 
 
 def make_params(gen: torch.Generator) -> dict:
@@ -46,12 +49,13 @@ def project(p: dict, x: torch.Tensor, pos: torch.Tensor):
 
 
 def sparse_prefill(p: dict, x: torch.Tensor, k_cache, v_cache, ik_cache):
-    """Prefill ``x [B, S, H]`` from position 0: block-sparse attention over query tiles with boolean keep masks;
-    the caches ``[B, G, Smax, D]`` / ``[B, Smax, Di]`` come back with positions ``0..S-1`` written."""
+    """Prefill ``x [B, S, H]`` from position 0: block-sparse attention in query chunks of ``TILE`` (each query reads
+    its gathered top-k blocks); the caches ``[B, G, Smax, D]`` / ``[B, Smax, Di]`` come back with positions
+    ``0..S-1`` written."""
     b, s, _ = x.shape
     pos = torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)
     q, k, v, iq, ik = project(p, x, pos)
-    attn = ops.prefill_attention(q, k, v, D ** -0.5, iq=iq, ik=ik, block_size=BS, topk=TOPK, tile=TILE)
+    attn = ops.prefill_step(q, k, v, D ** -0.5, TILE, SEL, iq, ik)
     out = attn.transpose(1, 2).reshape(b, s, HQ * D) @ p["wo"].t()
     k_cache = ops.write_positions(k_cache, k, pos, seq_dim=2)
     v_cache = ops.write_positions(v_cache, v, pos, seq_dim=2)
@@ -60,29 +64,27 @@ def sparse_prefill(p: dict, x: torch.Tensor, k_cache, v_cache, ik_cache):
 
 
 def sparse_decode(p: dict, x: torch.Tensor, pos: torch.Tensor, k_cache, v_cache, ik_cache):
-    """One decode step for ``x [B, 1, H]`` at positions ``pos [B]``: write K/V and the index key, score the
-    cached index keys, pick the top-k blocks per KV group and attend to those blocks only.
-    Returns ``(out [B, 1, H], blocks [B, G, K], k_cache, v_cache, ik_cache)``."""
+    """One decode step for ``x [B, 1, H]`` at positions ``pos [B]``: select the top-k blocks per KV group on the prior
+    index keys plus the active one, attend to those blocks of the prior caches plus the active K/V, then write K/V
+    and the index key. Returns ``(out [B, 1, H], blocks [B, G, K], k_cache, v_cache, ik_cache)`` (``blocks``: the
+    selection the step made, for the tests)."""
     b = x.shape[0]
     pos2 = pos.view(b, 1)
     q, k, v, iq, ik = project(p, x, pos2)
+    attn = ops.decode_step(q, k_cache, v_cache, k, v, pos, D ** -0.5, SEL, iq, ik_cache, ik)
+    blocks = ops.select_blocks_prior_active(iq, ik_cache, ik, pos, BS, TOPK)
+    out = attn.transpose(1, 2).reshape(b, 1, HQ * D) @ p["wo"].t()
     k_cache = ops.write_positions(k_cache, k, pos2, seq_dim=2)
     v_cache = ops.write_positions(v_cache, v, pos2, seq_dim=2)
     ik_cache = ops.write_positions(ik_cache, ik, pos2, seq_dim=1)
-    blocks = ops.select_blocks_for_queries(iq, ik_cache, pos2, BS, TOPK)[:, :, 0]  # [B, G, K]
-    attn = ops.decode_attention_sparse(q, k_cache, v_cache, pos, blocks, BS, D ** -0.5)
-    out = attn.transpose(1, 2).reshape(b, 1, HQ * D) @ p["wo"].t()
     return out, blocks, k_cache, v_cache, ik_cache
 
 
 def dense_decode(p: dict, x, pos, k_cache, v_cache):
     """The same step attending to every cached key (to show the sparse step really differs)."""
     b = x.shape[0]
-    pos2 = pos.view(b, 1)
-    q, k, v, _, _ = project(p, x, pos2)
-    k_cache = ops.write_positions(k_cache, k, pos2, seq_dim=2)
-    v_cache = ops.write_positions(v_cache, v, pos2, seq_dim=2)
-    attn = ops.decode_attention_dense(q, k_cache, v_cache, pos, D ** -0.5)
+    q, k, v, _, _ = project(p, x, pos.view(b, 1))
+    attn = ops.decode_step(q, k_cache, v_cache, k, v, pos, D ** -0.5)
     return attn.transpose(1, 2).reshape(b, 1, HQ * D) @ p["wo"].t()
 
 

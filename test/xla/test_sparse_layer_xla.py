@@ -1,5 +1,6 @@
-"""Static-graph proof of a sparse layer on the XLA CPU device: prefill (query tiles, boolean block masks) and
-a decode step (index-K cache write, scoring, top-k, block gather).
+"""Static-graph proof of a sparse layer on the XLA CPU device, through the step that ships (``ops.prefill_step`` /
+``ops.decode_step``): prefill (query chunks, each query's top-k blocks gathered) and a decode step (scoring the prior
+index keys and the active one, top-k, block gather, then the K/V and index-K cache writes).
 
 Each graph: outputs equal the eager CPU run (float32, ≤ 1e-5; block ids identical), exactly one compilation for
 a new input shape, none on a second call with new data, and no op falls back to the CPU (fixture ``xla``).
@@ -51,8 +52,8 @@ def test_prefill_really_is_sparse():
     p, x, _ = _inputs(1, 2, 96, 128)
     pos = torch.arange(96).unsqueeze(0).expand(2, 96)
     q, k, v, iq, ik = L.project(p, x, pos)
-    sparse = L.ops.prefill_attention(q, k, v, L.D ** -0.5, iq=iq, ik=ik, block_size=L.BS, topk=L.TOPK, tile=L.TILE)
-    dense = L.ops.prefill_attention(q, k, v, L.D ** -0.5, tile=L.TILE)
+    sparse = L.ops.prefill_step(q, k, v, L.D ** -0.5, L.TILE, L.SEL, iq, ik)
+    dense = L.ops.prefill_step(q, k, v, L.D ** -0.5, L.TILE)
     exact = L.BS * L.TOPK  # positions whose causal blocks all fit in the top-k
     torch.testing.assert_close(sparse[:, :, :exact], dense[:, :, :exact], rtol=0, atol=1e-6)
     assert (sparse[:, :, exact:] - dense[:, :, exact:]).abs().max() > 1e-3

@@ -46,6 +46,7 @@ PASS_THROUGH = ("/torch/", "/torch_xla/", "/site-packages/torch/")
 # rows for the published port's one-file model carry the line span of the method (its pinned commit 4bcdc54).
 DOT_RULES: tuple[tuple[str, str | None, tuple[int, int] | None, str], ...] = (
     ("minimax_m3/ops/attention.py", None, None, "attention"),
+    ("minimax_m3/ops/prefill.py", None, None, "attention"),
     ("minimax_m3/ops/indexer.py", None, None, "indexer"),
     ("neuronx_distributed/modules/moe/routing.py", None, None, "rest"),
     ("neuronx_distributed/modules/moe/shared_experts.py", None, None, "rest"),

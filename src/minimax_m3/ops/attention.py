@@ -1,8 +1,8 @@
-"""Attention over GQA groups with boolean keep masks (True = attend), prefill in query tiles and decode (also as
-prior cache + active token).
+"""Attention over GQA groups with boolean keep masks (True = attend), and decode (also as prior cache + active token).
 
 Queries ``[B, Hq, T, D]``, keys/values ``[B, Hkv, S, D]``; query head ``h`` belongs to KV group
-``h // (Hq / Hkv)``. Masks are per KV group ``[B, G, T, S]`` or shared ``[B, 1, T, S]``. Prefill (query chunks, block-sparse) is in :mod:`.prefill`.
+``h // (Hq / Hkv)``. Masks are per KV group ``[B, G, T, S]`` or shared ``[B, 1, T, S]``. Prefill (query chunks,
+block-sparse) is in :mod:`.prefill`, the composed step in :mod:`.step`.
 """
 
 import torch

@@ -27,7 +27,7 @@ from .parallel import ShardPlan
 class FastPaths:
     """Which attention runs. Prefill: ``auto``: FlexAttention where it compiles to a fused kernel (CUDA), else the
     tiled ``ops.prefill_attention``; ``flex``: FlexAttention anywhere (``flex_compile=None`` compiles on CUDA only);
-    ``plain``: always ``ops``. Decode always reads only the selected blocks (``ops.decode_attention_sparse``); its
+    ``plain``: always ``ops``. Decode always reads only the selected blocks (``ops.decode_step``); its
     attention runs through ``F.scaled_dot_product_attention`` (``decode="sdpa"``) or the plain formula
     (``"plain"``); ``auto``: SDPA on CUDA, the plain formula elsewhere (on CPU its tall-skinny products stream the
     cold cache faster than SDPA's kernel: 2-4% per decode step at 8K on the development machine)."""
@@ -161,35 +161,29 @@ class Attention(nn.Module):
         return out + [v.view(b, s, self.nkv, self.c.head_dim).transpose(1, 2)]
 
     def forward(self, x, rope, positions, cache: KVCache, layer: int, kv_len: int, decode: bool):
+        """The step itself is ``ops.prefill_step`` / ``ops.decode_step`` (shared with the Neuron port and the XLA
+        proofs); decode reads the prior caches plus this token's K/V, then the cache writes the new entries."""
         c = self.c
         b, s, _ = x.shape
         q, k, *index, v = self._rotary_heads(x, rope)
-        kc, vc = cache.write_kv(layer, k, v, positions)  # the whole caches: sparse decode pages them by block
-        if decode and self.sparse:  # index keys in whole blocks (the selection never picks a block past a query)
-            kv_len = -(-kv_len // c.index_block_size) * c.index_block_size
-        sel = dict(block_size=c.index_block_size, topk=c.index_topk, init_blocks=c.index_init_blocks,
-                   local_blocks=c.index_local_blocks)
-        if self.sparse:
-            iq, ik = index[0], index[1][:, 0]
-            ikc = cache.write_index_k(layer, ik, positions)[:, :kv_len]
-        if not decode and self.paths.flex(q.device):
-            blocks = fast.select_prefill_blocks(iq, ik, tile=cache.tile, **sel) if self.sparse else None
+        sel = ops.Selection.of(c) if self.sparse else None
+        iq, ik = (index[0], index[1][:, 0]) if self.sparse else (None, None)
+        if decode:  # one token per row at positions[:, 0]
+            if self.sparse:  # whole K/V caches (sparse decode pages them by block), index keys in whole blocks
+                n = -(-kv_len // c.index_block_size) * c.index_block_size
+                kc, vc, ikc = cache.k[layer], cache.v[layer], cache.index_k[layer][:, :n]
+            else:
+                kc, vc, ikc = cache.k[layer][:, :, :kv_len], cache.v[layer][:, :, :kv_len], None
+            out = ops.decode_step(q, kc, vc, k, v, positions[:, 0], c.softmax_scale, sel, iq, ikc, ik,
+                                  sdpa=self.paths.sdpa(q.device))
+        elif self.paths.flex(q.device):
+            blocks = fast.select_prefill_blocks(iq, ik, tile=cache.tile, **sel.kwargs()) if self.sparse else None
             out = fast.flex_prefill(q, k, v, c.softmax_scale, blocks, c.index_block_size, self.paths.flex_compile)
-        elif not decode:  # prefill from position 0: keys are this call's own tokens
-            if self.sparse:
-                out = ops.prefill_attention(q, k, v, c.softmax_scale, iq=iq, ik=ik, tile=cache.tile, **sel)
-            else:
-                out = ops.prefill_attention(q, k, v, c.softmax_scale, tile=cache.tile)
-        else:  # decode, one token per row: a KV group's query heads ride as its "queries", so the matmuls read
-            qg = q.reshape(b, self.nkv, -1, c.head_dim)  # each K/V row once (no broadcast copy per query head)
-            if self.sparse:
-                blocks = ops.select_blocks_for_queries(iq, ikc, positions, **sel)  # [B, G, 1, K]
-                out = ops.decode_attention_sparse(qg, kc, vc, positions[:, 0], blocks[:, :, 0], c.index_block_size,
-                                                  c.softmax_scale, self.paths.sdpa(q.device))  # whole caches: no copy
-            else:
-                out = ops.decode_attention_dense(qg, kc[:, :, :kv_len], vc[:, :, :kv_len], positions[:, 0],
-                                                 c.softmax_scale, self.paths.sdpa(q.device))
-            out = out.reshape(b, self.nq, 1, c.head_dim)
+        else:  # prefill from position 0: keys are this call's own tokens
+            out = ops.prefill_step(q, k, v, c.softmax_scale, cache.tile, sel, iq, ik)
+        cache.write_kv(layer, k, v, positions)
+        if self.sparse:
+            cache.write_index_k(layer, ik, positions)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nq * c.head_dim))
 
 
