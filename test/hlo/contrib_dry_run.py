@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     args.seq_len, args.batch = args.max_seq_len, args.max_batch or 1
     ctx = list(args.context_buckets or ours.context_buckets(args.seq_len))
     tkg = list(args.token_buckets or [args.seq_len])
-    config = dry_run.check_layout(args.model, args.tp, args.ep, args.lnc, args.batch, args.seq_len, ctx, tkg)
+    dry_run.check_layout(args.model, args.tp, args.ep, args.lnc, args.batch, args.seq_len, ctx, tkg)
     nc = contrib.MiniMaxM3NeuronConfig(
         tp_degree=args.tp, moe_ep_degree=args.ep, moe_tp_degree=args.tp // args.ep, logical_nc_config=args.lnc,
         batch_size=args.batch, max_batch_size=args.batch, ctx_batch_size=args.batch, tkg_batch_size=args.batch,

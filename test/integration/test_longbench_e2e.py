@@ -12,17 +12,19 @@ from minimax_m3.eval.commands import register
 from minimax_m3.eval.runner import run_longbench
 
 # Our own handmade prompt table and samples, laid out like a LongBench checkout.
-PROMPTS = {"hotpotqa": "Read the notes.\n\n{context}\n\nQuestion: {input}\nAnswer:", "trec": "Label it.\n\n{context}\n{input}"}
+PROMPTS = {"hotpotqa": "Read the notes.\n\n{context}\n\nQuestion: {input}\nAnswer:",
+           "trec": "Label it.\n\n{context}\n{input}"}
 MAXLEN = {"hotpotqa": 8, "trec": 6}
 
 
 def rows(task):
     filler = " ".join(f"note{i} the river flows past the mill" for i in range(30))  # long enough to be truncated
     if task == "hotpotqa":
-        return [{"input": f"Where is mill {i}?", "context": f"Mill {i} stands in Avonford. {filler}", "answers": ["Avonford"],
-                 "length": 300, "all_classes": None, "_id": f"h{i}"} for i in range(3)]
-    return [{"input": f"Question {i}: who built it?\nType:", "context": "Q: where?\nType: Location", "answers": ["Person"],
-             "length": 20, "all_classes": ["Location", "Person"], "_id": f"t{i}"} for i in range(2)]
+        return [{"input": f"Where is mill {i}?", "context": f"Mill {i} stands in Avonford. {filler}",
+                 "answers": ["Avonford"], "length": 300, "all_classes": None, "_id": f"h{i}"} for i in range(3)]
+    return [{"input": f"Question {i}: who built it?\nType:", "context": "Q: where?\nType: Location",
+             "answers": ["Person"], "length": 20, "all_classes": ["Location", "Person"], "_id": f"t{i}"}
+            for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,8 @@ def test_longbench_end_to_end_with_resume(setup, tmp_path):
     root, model, data, engine, tok = setup
     lb = root / "LongBench"
     # 1) one uninterrupted run, batches of 2
-    full = run_longbench(engine, tok, data, lb, "hotpotqa,trec", tmp_path / "a", batch_size=2, max_input_tokens=200, progress=False)
+    full = run_longbench(engine, tok, data, lb, "hotpotqa,trec", tmp_path / "a", batch_size=2, max_input_tokens=200,
+                         progress=False)
     assert full["tasks"]["hotpotqa"]["n"] == 3 and full["tasks"]["trec"]["n"] == 2
     a = {**preds(tmp_path / "a", "hotpotqa"), **preds(tmp_path / "a", "trec")}
     assert all(r["truncated"] for k, r in a.items() if k.startswith("h"))  # ~1400-byte prompts cut to 200 ids
@@ -77,8 +80,9 @@ def test_longbench_end_to_end_with_resume(setup, tmp_path):
     assert len(kept.splitlines()) == 2
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers(dest="command"))
-    args = ap.parse_args(["longbench", "--model", str(model), "--data", str(data), "--tasks", "hotpotqa,trec", "--out", str(out),
-                          "--max-input-tokens", "200", "--max-seq-len", "256", "--device", "cpu", "--no-progress"])
+    args = ap.parse_args(["longbench", "--model", str(model), "--data", str(data), "--tasks", "hotpotqa,trec",
+                          "--out", str(out), "--max-input-tokens", "200", "--max-seq-len", "256", "--device", "cpu",
+                          "--no-progress"])
     args.func(args)
     assert (out / "pred" / "hotpotqa.jsonl").read_text().startswith(kept)  # finished lines untouched
     b = {**preds(out, "hotpotqa"), **preds(out, "trec")}

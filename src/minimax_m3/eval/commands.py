@@ -31,7 +31,8 @@ def register(subparsers) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N samples of each task")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-input-tokens", type=int, default=None,
-                   help="middle-truncation budget (pred.py's max_length); default: max_seq_len - max_gen - chat overhead - 16")  # fmt: skip
+                   help="middle-truncation budget (pred.py's max_length); default: max_seq_len - max_gen - chat "
+                        "overhead - 16")
     p.add_argument("--strip-thinking", action="store_true",
                    help="v2: remove <think>...</think> blocks before extracting the answer (for reasoning models; "
                         "not in the official protocol, which extracts from the whole response)")  # fmt: skip
