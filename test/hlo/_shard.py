@@ -69,7 +69,7 @@ KEY_MAP: tuple[tuple[str, str, str], ...] = (
     ("layers.{L}.moe.router.linear_router.weight", "layers.{L}.moe.router.weight", "same"),
     ("layers.{L}.moe.router.e_score_correction_bias", "layers.{L}.moe.e_score_correction_bias", "same"),
     ("layers.{L}.moe.expert_mlps.mlp_op.gate_up_proj.weight", "layers.{L}.moe.experts.gate_up", "same"),
-    ("layers.{L}.moe.expert_mlps.mlp_op.down_proj.weight", "layers.{L}.moe.experts.down", "same"),
+    ("layers.{L}.moe.expert_mlps.mlp_op.down_proj.weight", "layers.{L}.moe.experts.down", "routed_scale"),
     ("layers.{L}.shared_expert.gate_up_proj.weight", "layers.{L}.moe.shared.gate_up_proj.weight", "same"),
     ("layers.{L}.shared_expert.down_proj.weight", "layers.{L}.moe.shared.down_proj.weight", "same"),
 )

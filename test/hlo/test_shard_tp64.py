@@ -108,9 +108,11 @@ def test_every_key_is_accounted_for(nxd, ref):
     assert set(report["dropped"]) == dropped
 
 
-def _expected(rel: str, ref_t: torch.Tensor, full_t: torch.Tensor, r: int) -> torch.Tensor:
+def _expected(rel: str, ref_t: torch.Tensor, full_t: torch.Tensor, r: int, scale: float) -> torch.Tensor:
     if rel == "same":
         return ref_t
+    if rel == "routed_scale":  # routed_scaling_factor folded into the expert down projection (a power of two)
+        return (ref_t.float() * scale).to(ref_t.dtype)
     if rel == "fold":
         return 1.0 + ref_t.float()
     if rel == "hidden_cols":
@@ -119,10 +121,10 @@ def _expected(rel: str, ref_t: torch.Tensor, full_t: torch.Tensor, r: int) -> to
     raise ValueError(rel)
 
 
-def _mismatches(shard: dict, ref_sd: dict, full: dict, pairs: dict, r: int) -> list[str]:
+def _mismatches(shard: dict, ref_sd: dict, full: dict, pairs: dict, r: int, scale: float) -> list[str]:
     bad = []
     for nk, (rk, rel) in pairs.items():
-        got, want = shard[nk], _expected(rel, ref_sd[rk], full[rk], r)
+        got, want = shard[nk], _expected(rel, ref_sd[rk], full[rk], r, scale)
         if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
             bad.append(f"{nk} <- {rk} ({rel}): {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}")
     return bad
@@ -134,7 +136,7 @@ def test_every_rank_matches_the_reference_plan(nxd, ref):
     pairs = S.key_pairs(set(ref_ranks[0]), c.num_layers)
     bad: dict[str, list[int]] = {}
     for r in range(S.TP):
-        for m in _mismatches(ranks[r], ref_ranks[r], full, pairs, r):
+        for m in _mismatches(ranks[r], ref_ranks[r], full, pairs, r, c.routed_scaling_factor):
             bad.setdefault(m, []).append(r)
     assert not bad, "NxD's shard differs from the reference plan:\n" + "\n".join(
         f"  {m} on ranks {rs[:8]}{'...' if len(rs) > 8 else ''} ({len(rs)})" for m, rs in bad.items())
@@ -149,7 +151,8 @@ def test_the_comparison_sees_a_wrong_rank(nxd, ref):
     _, ranks, _ = nxd
     c, _, ref_ranks, full = ref
     pairs = S.key_pairs(set(ref_ranks[0]), c.num_layers)
-    bad = {m.split(" <- ")[0] for m in _mismatches(ranks[17], ref_ranks[16], full, pairs, 17)}
+    scale = c.routed_scaling_factor
+    bad = {m.split(" <- ")[0] for m in _mismatches(ranks[17], ref_ranks[16], full, pairs, 17, scale)}
     assert "layers.1.self_attn.qkv_proj.q_proj.weight" in bad
     assert "layers.1.moe.expert_mlps.mlp_op.gate_up_proj.weight" in bad
     assert "layers.0.mlp.gate_up_proj.weight" in bad and "lm_head.weight" in bad

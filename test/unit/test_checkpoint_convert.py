@@ -51,7 +51,7 @@ def test_neuron_layout_from_source_tensors(synth, tmp_path):
     for x in range(e):
         w1, w2, w3 = (src.get(f"{m}.experts.{x}.{n}.weight").to(torch.bfloat16) for n in ("w1", "w2", "w3"))
         assert torch.equal(gu[x, :, :i], w1.t()) and torch.equal(gu[x, :, i:], w3.t())  # gate first
-        assert torch.equal(dn[x], w2.t())
+        assert torch.equal(dn[x], (TINY.routed_scaling_factor * w2.float()).t().to(dn.dtype))  # scale folded
     assert not sd[f"layers.{L}.moe.expert_mlps.mlp_op.gate_up_proj.bias"].any()
     assert sd[f"layers.{L}.moe.router.e_score_correction_bias"].dtype == torch.float32
     assert torch.equal(sd[f"layers.{L}.moe.router.linear_router.weight"], src.get(f"{m}.gate.weight"))

@@ -107,7 +107,9 @@ def test_expert_layout_and_zero_biases(tiny):
     for e in (0, c.num_experts - 1):
         assert torch.equal(gu[e, :, : c.intermediate_size], src.get(f"{m}.experts.{e}.w1.weight").t())
         assert torch.equal(gu[e, :, c.intermediate_size:], src.get(f"{m}.experts.{e}.w3.weight").t())
-        assert torch.equal(dn[e], src.get(f"{m}.experts.{e}.w2.weight").t())
+        # the routed scaling factor (2.0) folded in: exact in bf16 (a power of two)
+        assert torch.equal(dn[e], (c.routed_scaling_factor * src.get(f"{m}.experts.{e}.w2.weight").float()).t()
+                           .to(dn.dtype))
     gb = sd[f"layers.{i}.moe.expert_mlps.mlp_op.gate_up_proj.bias"]
     db = sd[f"layers.{i}.moe.expert_mlps.mlp_op.down_proj.bias"]
     assert gb.shape == (c.num_experts, 2 * c.intermediate_size) and not gb.any()

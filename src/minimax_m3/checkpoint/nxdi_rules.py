@@ -15,6 +15,10 @@ their sources, NxDI 0.9 / NxD 0.18):
   ``moe.router.e_score_correction_bias`` (fp32), ``moe.expert_mlps.mlp_op.gate_up_proj.{weight,bias}``
   ``[E, H, 2I]`` gate first / ``[E, 2I]`` zeros, ``moe.expert_mlps.mlp_op.down_proj.{weight,bias}`` ``[E, I, H]`` /
   ``[E, H]`` zeros (``bias=True`` is what makes NxD add SwiGLU-OAI's ``+1``; the biases themselves are zero).
+  The routed scaling factor is folded into ``down_proj.weight`` (``routed_scaling_factor * w2ᵀ``; the zero bias
+  stays zero), so the port adds the routed and shared partial sums before one all-reduce with no multiply in the
+  graph. Computed in the target dtype's arithmetic, one rounding: exact for M3's factor 2.0 (a power of two) in
+  bf16 and fp32 while no weight overflows; for other factors in bf16 at most half a bf16 ulp per weight.
 * our SwiGLU-OAI MLPs (dense layers, shared expert): ``{mlp,shared_expert}.gate_up_proj.weight`` ``[gate; up]``
   for a stride-2 ``ColumnParallelLinear``, ``{mlp,shared_expert}.down_proj.weight``.
 * every Gemma norm gets its ``+1`` folded in float32 and stays float32 (input, post-attention, q/k, index q/k,
@@ -36,6 +40,20 @@ FP32 = True
 def _fold_gemma(ts: Sequence) -> torch.Tensor:
     """Zero-centred Gemma weight ``w`` → ``1 + w`` computed in float32 (kept float32)."""
     return 1.0 + ts[0].float()
+
+
+def _scaled_experts_down(scale: float):
+    """``_experts_down`` times ``scale`` (the routed scaling factor), streamable expert by expert like it: the
+    converter's slab path multiplies each slab by ``slab_scale``."""
+    scale = float(scale)
+
+    def down(ts: Sequence) -> torch.Tensor:
+        out = _experts_down(ts)
+        return out.mul_(scale) if scale != 1.0 else out
+
+    down.expert_slabs = True
+    down.slab_scale = scale
+    return down
 
 
 def _cat_qkv(ts: Sequence) -> torch.Tensor:
@@ -85,7 +103,7 @@ def nxdi_rules(c: M3Config, tp_degree: int, fused_qkv: bool = False) -> tuple[tu
              (MOE + ".experts.{E}.w1.weight", MOE + ".experts.{E}.w3.weight"), _experts_gate_up, "moe"),
         Rule("layers.{L}.moe.expert_mlps.mlp_op.gate_up_proj.bias", (), lambda _: torch.zeros(e, 2 * i_), "moe"),
         Rule("layers.{L}.moe.expert_mlps.mlp_op.down_proj.weight", (MOE + ".experts.{E}.w2.weight",),
-             _experts_down, "moe"),
+             _scaled_experts_down(c.routed_scaling_factor), "moe"),
         Rule("layers.{L}.moe.expert_mlps.mlp_op.down_proj.bias", (), lambda _: torch.zeros(e, h), "moe"),
         Rule("layers.{L}.shared_expert.gate_up_proj.weight",
              (MOE + ".shared_experts.gate_proj.weight", MOE + ".shared_experts.up_proj.weight"), _cat0, "moe"),

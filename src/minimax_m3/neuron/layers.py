@@ -55,13 +55,18 @@ class PartialRope(nn.Module):
 
 class SwiGLUOAIMLP(nn.Module):
     """Dense / shared-expert MLP: fused ``gate_up_proj`` (ColumnParallel, ``stride=2`` so rank r holds gate_r and
-    up_r of a ``[gate; up]`` weight) and RowParallel ``down_proj`` (all-reduce)."""
+    up_r of a ``[gate; up]`` weight) and RowParallel ``down_proj``: all-reduced in ``reduce_dtype`` (None = the
+    model dtype, NxDI's ``rpl_reduce_dtype`` convention; NxD's own default would be float32), or left as this
+    rank's partial sums with ``reduce_output=False`` (the shared expert: the MoE reduces them with the routed
+    experts' in one all-reduce)."""
 
-    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, dtype: torch.dtype):
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, dtype: torch.dtype,
+                 reduce_output: bool = True, reduce_dtype: torch.dtype | None = None):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden, 2 * inter, bias=False, gather_output=False, stride=2,
                                                  dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=False, input_is_parallel=True, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=False, input_is_parallel=True, dtype=dtype,
+                                           reduce_output=reduce_output, reduce_dtype=reduce_dtype)
         self.alpha, self.limit = alpha, limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

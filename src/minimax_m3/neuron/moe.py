@@ -1,6 +1,6 @@
 """MiniMax-M3 MoE on NxD: NxDI's ``initialize_moe_module`` with our router and a decode dispatch that works at
-any batch size with expert parallelism. Routed output × ``routed_scaling_factor`` + our shared expert is
-done by the decoder layer."""
+any batch size with expert parallelism. ``routed_scaling_factor`` is folded into the routed experts' down
+projection by the converter; our shared expert's partial sums join the routed ones before NxD's one all-reduce."""
 
 from __future__ import annotations
 
@@ -77,3 +77,28 @@ def initialize_m3_moe_module(config) -> nn.Module:
     # Our subclass adds only a dispatch rule; parameters, process groups and hooks are NxD's own.
     moe.expert_mlps.__class__ = M3ExpertMLPs
     return moe
+
+
+class SharedPartialSums:
+    """What NxD's ``MoE._apply_shared_experts`` calls as ``shared_experts(hidden [T, H], seq_len)``: our SwiGLU-OAI
+    shared expert built with ``reduce_output=False``, so ``MoE`` adds this rank's partial sums to the routed
+    experts' and reduces both in its one all-reduce (``modules/moe/model.py``, ``_forward_compute_bound``).
+
+    A plain object, not a module: the shared expert's parameters stay registered once, under the decoder layer's
+    ``shared_expert`` (the converter's keys); NxD reads ``sequence_parallel_enabled`` (False: tensor parallel)."""
+
+    sequence_parallel_enabled = False
+
+    def __init__(self, mlp: nn.Module):
+        self.mlp = mlp
+
+    def __call__(self, hidden_states: torch.Tensor, seq_len: int) -> torch.Tensor:
+        return self.mlp(hidden_states)
+
+
+def attach_shared_expert(moe: nn.Module, mlp: nn.Module) -> None:
+    """Give NxD's ``MoE`` our shared expert (whose down projection must not reduce: one reduction per layer)."""
+    if getattr(mlp.down_proj, "reduce_output", True):
+        raise ValueError("the shared expert handed to the MoE must be built with reduce_output=False "
+                         "(the MoE all-reduces its partial sums with the routed experts')")
+    moe.shared_experts = SharedPartialSums(mlp)
