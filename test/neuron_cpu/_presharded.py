@@ -64,9 +64,24 @@ def measure(root: Path, tp: int = 64, ep: int = 64) -> dict:
     for mode in ("stream", "nxd"):
         out[mode] = run(mode, ckpt, root / mode, tp, ep, timeout=3600)
         out[mode]["files_bytes"] = sum(p.stat().st_size for p in (root / mode).glob("tp*.safetensors"))
+    out["bit_equal_ranks"] = _equal_ranks(root / "stream", root / "nxd", sorted({0, 1, tp // 2, tp - 1}))
+    for mode in ("stream", "nxd"):
         for p in (root / mode).glob("tp*.safetensors"):
             p.unlink()
     return out
+
+
+def _equal_ranks(a: Path, b: Path, ranks: list[int]) -> list[int]:
+    """The ranks among ``ranks`` whose two files hold the same keys and bit-equal tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    ok = []
+    for r in ranks:
+        x, y = (load_file(str(d / f"tp{r}_sharded_checkpoint.safetensors")) for d in (a, b))
+        if set(x) == set(y) and all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x):
+            ok.append(r)
+    return ok
 
 
 def main(argv: list[str]) -> int:
