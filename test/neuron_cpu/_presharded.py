@@ -6,7 +6,9 @@ every rank by
 
 * ``nxd``: NxD's ``ModelBuilder.shard_checkpoint(serialize_path=OUT)``, the path of NxDI's ``shard_weights`` (the
   whole converted state dict in memory, every rank's shard kept until it returns) — the oracle;
-* ``stream``: :func:`minimax_m3.neuron.sharded.write_sharded`, one conversion unit at a time.
+* ``stream``: :func:`minimax_m3.neuron.sharded.write_sharded`, one conversion unit at a time;
+* ``hook``: NxDI's ``shard_weights(OUT/compiled)`` as ``compile()`` calls it (the port's override streams), into
+  ``OUT/compiled/weights/``.
 
 It writes ``OUT/report.json`` with the seconds taken and the process's peak resident memory (``ru_maxrss``) before
 and after the sharding, so the difference is the sharding's own peak above the loaded interpreter.
@@ -29,14 +31,14 @@ def _maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def build_app(ckpt: str, tp: int, ep: int, dtype: str = "bfloat16"):
+def build_app(ckpt: str, tp: int, ep: int, dtype: str = "bfloat16", skip_sharding: bool = True):
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
     from minimax_m3.neuron.engine import build_neuron_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
 
     nc = build_neuron_config(tp_degree=tp, moe_ep_degree=ep, batch_size=1, max_seq_len=256, max_context_length=256,
                              dtype=dtype, enable_bucketing=True, context_encoding_buckets=[256],
-                             token_generation_buckets=[256], save_sharded_checkpoint=True, skip_sharding=True,
+                             token_generation_buckets=[256], save_sharded_checkpoint=True, skip_sharding=skip_sharding,
                              attn_kernel_enabled=False, logical_nc_config=2 if tp == 64 else 1)
     return NeuronMiniMaxM3ForCausalLM(ckpt, MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(ckpt)))
 
@@ -97,7 +99,7 @@ def main(argv: list[str]) -> int:
 
     standins.bootstrap()
     os.environ.pop("NXD_CPU_MODE", None)
-    app = build_app(ckpt, tp, ep, dtype)
+    app = build_app(ckpt, tp, ep, dtype, skip_sharding=mode != "hook")
     before = _maxrss_mb()
     t0 = time.perf_counter()
     if mode == "nxd":
@@ -107,11 +109,19 @@ def main(argv: list[str]) -> int:
         from minimax_m3.neuron.sharded import write_sharded
 
         extra = write_sharded(app, out)
+    elif mode == "hook":  # NxDI's shard_weights as compile() calls it: the port's override streams
+        import minimax_m3.neuron.sharded as sharded
+
+        calls, real = [], sharded.write_sharded
+        sharded.write_sharded = lambda *a, **k: calls.append(real(*a, **k))
+        app.shard_weights(str(out / "compiled"))
+        extra = {"units": calls[0]["units"] if calls else 0, "write_sharded_calls": len(calls)}
     else:
-        raise SystemExit(f"unknown mode {mode!r}: nxd or stream")
+        raise SystemExit(f"unknown mode {mode!r}: nxd, stream or hook")
     report = {"mode": mode, "tp": tp, "ep": ep, "seconds": time.perf_counter() - t0, "maxrss_before_mb": before,
               "maxrss_mb": _maxrss_mb(),
-              **{k: v for k, v in extra.items() if k in ("units", "keys", "bytes", "max_unit_bytes")}}
+              **{k: v for k, v in extra.items() if k in ("units", "keys", "bytes", "max_unit_bytes",
+                                                                 "write_sharded_calls")}}
     (out / "report.json").write_text(json.dumps(report))
     return 0
 

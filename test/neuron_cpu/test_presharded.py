@@ -61,6 +61,16 @@ def test_streamed_rank_files_equal_nxd_shard_checkpoint(ckpt, tmp_path, tp, ep, 
         sum(t.numel() * t.element_size() for t in f.values()) for f in got)
 
 
+def test_compile_hook_streams_the_same_files(ckpt, tmp_path):
+    """NxDI's ``shard_weights`` (what ``compile()`` calls with ``save_sharded_checkpoint``) goes through the port's
+    override to ``write_sharded``: the same files in ``<compiled>/weights/``."""
+    _presharded.run("stream", ckpt, tmp_path / "stream", 2, 1)
+    assert _presharded.run("hook", ckpt, tmp_path / "hook", 2, 1)["write_sharded_calls"] == 1
+    a, b = _files(tmp_path / "stream", 2), _files(tmp_path / "hook" / "compiled" / "weights", 2)
+    for r in range(2):
+        assert set(a[r]) == set(b[r]) and all(torch.equal(a[r][k], b[r][k]) for k in a[r])
+
+
 def test_header_reservation_is_padding_only(ckpt, tmp_path):
     """The reserved header region ends in spaces (the safetensors format's padding), data starts 8-aligned, and
     the offsets cover the data exactly (safetensors' own loader checks that; read back above)."""

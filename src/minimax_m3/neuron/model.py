@@ -205,6 +205,22 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
             out.logits = out.logits[..., :vocab]
         return out
 
+    def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
+        """NxDI's pre-sharding (``save_sharded_checkpoint``), streamed: ``neuron.sharded.write_sharded`` writes the
+        same rank files one layer at a time instead of NxD's whole state dict plus every rank's shard in memory.
+        NxDI's own path where it does more than shard (LoRA, the layout-transformation option) or is skipped."""
+        import os
+
+        nc = self.neuron_config
+        if nc.skip_sharding or not nc.save_sharded_checkpoint or nc.lora_config is not None \
+                or os.environ.get("NXD_LAYOUT_TRANSFORMATION_OPTIONS"):
+            return super().shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
+        from .sharded import write_sharded
+
+        if pre_shard_weights_hook:
+            pre_shard_weights_hook(self)
+        write_sharded(self, os.path.join(str(compiled_model_path), "weights"))
+
     def checkpoint_loader_fn(self, mmap: bool = False):
         """NxDI's loader casts every float tensor to the model dtype; ours keeps the fp32 keys (folded norms,
         router weight, routing bias) float32 and casts the rest in the converter."""
