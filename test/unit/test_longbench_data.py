@@ -12,7 +12,8 @@ def write_jsonl(path, rows):
 
 
 def row(i, **kw):
-    return {"input": f"q{i}", "context": "c", "answers": ["a"], "length": 10, "all_classes": None, "_id": f"id{i}", **kw}
+    return {"input": f"q{i}", "context": "c", "answers": ["a"], "length": 10, "all_classes": None, "_id": f"id{i}",
+            **kw}
 
 
 def test_load_v1_task_and_nested_layout(tmp_path):

@@ -65,8 +65,10 @@ def test_registered_and_generate_until(tok):
     eng = FakeEngine(tok, max_seq_len=40)
     lm = MiniMaxM3LM(engine=eng, tokenizer=tok)
     reqs = [
-        Instance("generate_until", {}, ("x" * 50 + "KEY3" + "y" * 50, {"until": ["\n"], "max_gen_toks": 30, "do_sample": False}), 0),
-        Instance("generate_until", {}, ("KEY2 question", {"until": [], "max_gen_toks": 4, "temperature": 1, "do_sample": False}), 0),
+        Instance("generate_until", {},
+                 ("x" * 50 + "KEY3" + "y" * 50, {"until": ["\n"], "max_gen_toks": 30, "do_sample": False}), 0),
+        Instance("generate_until", {},
+                 ("KEY2 question", {"until": [], "max_gen_toks": 4, "temperature": 1, "do_sample": False}), 0),
     ]
     out = lm.generate_until(reqs)
     # 1st: 104-byte context over budget 40 - 30 = 10 -> 5 + 5 ids kept; the key is cut away, so the engine
@@ -85,9 +87,12 @@ def write_local_tasks(tmp_path):
         "def add_question(ds):\n    return ds.map(lambda d: {'question': d['input']})\n"
     )
     data = {
-        "hotpotqa": [{"input": "Where? KEY1", "context": "c1", "answers": ["Paris"], "all_classes": None, "length": 9, "_id": "a"},
-                     {"input": "Who? KEY2", "context": "c2", "answers": ["William Shakespeare"], "all_classes": None, "length": 9, "_id": "b"}],
-        "trec": [{"input": "What? KEY3\nType:", "context": "c3", "answers": ["City"], "all_classes": ["City", "Country"], "length": 9, "_id": "c"}],
+        "hotpotqa": [{"input": "Where? KEY1", "context": "c1", "answers": ["Paris"], "all_classes": None, "length": 9,
+                      "_id": "a"},
+                     {"input": "Who? KEY2", "context": "c2", "answers": ["William Shakespeare"], "all_classes": None,
+                      "length": 9, "_id": "b"}],
+        "trec": [{"input": "What? KEY3\nType:", "context": "c3", "answers": ["City"],
+                  "all_classes": ["City", "Country"], "length": 9, "_id": "c"}],
     }
     for task, rows in data.items():
         (tmp_path / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

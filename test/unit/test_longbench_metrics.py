@@ -79,7 +79,8 @@ def test_fuzz_ratio_identical_to_fuzzywuzzy_and_not_rapidfuzz():
     pairs = [("ab1cdxyz", "xyzab2cd"), ("a" * 150 + "b", "a" * 300), ("", "x"), ("same", "same")]
     for _ in range(300):
         n1, n2 = rng.randint(0, 40), rng.randint(0, 300)  # lengths past 200 exercise difflib's autojunk
-        pairs.append(("".join(rng.choice("ab (x)=+\n") for _ in range(n1)), "".join(rng.choice("ab (x)=+") for _ in range(n2))))
+        pairs.append(("".join(rng.choice("ab (x)=+\n") for _ in range(n1)),
+                      "".join(rng.choice("ab (x)=+") for _ in range(n2))))
     for a, b in pairs:
         assert M.fuzz_ratio(a, b) == fuzzywuzzy_fuzz.ratio(a, b), (a, b)
     assert round(rapid.ratio("ab1cdxyz", "xyzab2cd")) == 50  # why rapidfuzz is not used
@@ -87,7 +88,8 @@ def test_fuzz_ratio_identical_to_fuzzywuzzy_and_not_rapidfuzz():
 
 def test_sample_score_first_line_rule_and_max_over_answers():
     # trec: lstrip('\n') + first line -> "City"; only "City" named -> 1.0
-    assert M.sample_score("classification", "trec", "\nCity\nType: Country", ["City"], ["City", "Country", "Date"]) == 1.0
+    assert M.sample_score("classification", "trec", "\nCity\nType: Country", ["City"],
+                          ["City", "Country", "Date"]) == 1.0
     # hotpotqa has no first-line rule: "Paris\nFrance" keeps both words -> P = 1/2, R = 1 -> 2/3
     assert M.sample_score("qa_f1", "hotpotqa", "Paris\nFrance", ["Paris"]) == pytest.approx(2 / 3)
     # max over answers: "London, UK" gives 2/3 (P = 1, R = 1/2), "London" gives 1.0

@@ -91,7 +91,8 @@ def test_chat_wrap_requires_template(tok):
 
 def test_fill_v1_prompt():
     rec = {"context": "C", "input": "Q", "answers": ["a"], "_id": "x"}
-    assert P.fill_v1_prompt("Read: {context}\n\nQuestion: {input}\nAnswer:", rec, "hotpotqa") == "Read: C\n\nQuestion: Q\nAnswer:"
+    assert P.fill_v1_prompt("Read: {context}\n\nQuestion: {input}\nAnswer:", rec,
+                            "hotpotqa") == "Read: C\n\nQuestion: Q\nAnswer:"
     with pytest.raises(ValueError, match="needs field 'question'"):
         P.fill_v1_prompt("{question}", rec, "hotpotqa")
 
@@ -125,7 +126,8 @@ def test_extract_v2_answer(response, expected):
 
 
 def test_v2_prompt_and_thinking():
-    item = {"context": " doc \n", "question": " q? ", "choice_A": "a", "choice_B": "b", "choice_C": "c", "choice_D": " d"}
+    item = {"context": " doc \n", "question": " q? ", "choice_A": "a", "choice_B": "b", "choice_C": "c",
+            "choice_D": " d"}
     tmpl = "<text>\n$DOC$\n</text>\nQ: $Q$\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n(D) $C_D$"
     assert P.fill_v2_prompt(tmpl, item) == "<text>\ndoc\n</text>\nQ: q?\n(A) a\n(B) b\n(C) c\n(D) d"
     thought = "<think>The correct answer is (A)</think>The correct answer is (B)"

@@ -14,7 +14,8 @@ from minimax_m3.eval.protocol import LongBenchTaskError
 from minimax_m3.eval.runner import run_longbench
 
 # Handmade prompt table (our own wording) in the layout of a LongBench checkout.
-PROMPTS = {"hotpotqa": "Docs:\n{context}\nQ: {input}\nA:", "trec": "{context}\n{input}", "samsum": "{context}\n\n{input}",
+PROMPTS = {"hotpotqa": "Docs:\n{context}\nQ: {input}\nA:", "trec": "{context}\n{input}",
+           "samsum": "{context}\n\n{input}",
            "qasper": "{context} {input}"}
 MAXLEN = {"hotpotqa": 16, "trec": 4, "samsum": 8, "qasper": 8}
 REPLIES = {"KEY-h0": "Paris", "KEY-h1": "Paris, France", "KEY-h2": "", "KEY-t0": "City\nType: Date", "KEY-t1": "Date",
@@ -89,7 +90,8 @@ def env(tmp_path):
 
 
 def run(env, engine, **kw):
-    return run_longbench(engine, env.tok, env.data, env.lb, kw.pop("tasks", "hotpotqa,trec,samsum"), env.out, progress=False, **kw)
+    return run_longbench(engine, env.tok, env.data, env.lb, kw.pop("tasks", "hotpotqa,trec,samsum"), env.out,
+                         progress=False, **kw)
 
 
 def test_full_run_protocol_and_scores(env):
@@ -109,7 +111,8 @@ def test_full_run_protocol_and_scores(env):
     by_task = {}
     for prompts, gen in eng.calls:
         text = env.tok.decode(prompts[0])
-        by_task.setdefault("hotpotqa" if "KEY-h" in text else "trec" if "KEY-t" in text else "samsum", []).append((prompts, gen))
+        task = "hotpotqa" if "KEY-h" in text else "trec" if "KEY-t" in text else "samsum"
+        by_task.setdefault(task, []).append((prompts, gen))
     assert [len(p) for p, _ in by_task["hotpotqa"]] == [2, 1]  # batches of 2
     for task, calls in by_task.items():
         for prompts, gen in calls:
@@ -118,8 +121,10 @@ def test_full_run_protocol_and_scores(env):
     assert by_task["hotpotqa"][0][1].max_new_tokens == 16 and by_task["trec"][0][1].max_new_tokens == 4
     newline = env.tok.encode("\n", add_special_tokens=False)[-1]
     assert newline in by_task["samsum"][0][1].eos_token_ids and newline not in by_task["trec"][0][1].eos_token_ids
-    assert env.tok.decode(by_task["hotpotqa"][0][0][0]) == "<s><|user|>Docs:\ntext KEY-h0 text\nQ: question?\nA:<|end|><|assistant|>"
-    assert (env.out / "report.json").exists() and "| hotpotqa | qa_f1 | 3 | 55.56 |" in (env.out / "report.md").read_text()
+    first = env.tok.decode(by_task["hotpotqa"][0][0][0])
+    assert first == "<s><|user|>Docs:\ntext KEY-h0 text\nQ: question?\nA:<|end|><|assistant|>"
+    assert (env.out / "report.json").exists()
+    assert "| hotpotqa | qa_f1 | 3 | 55.56 |" in (env.out / "report.md").read_text()
 
 
 def test_resume_after_crash_loses_nothing(env):
@@ -143,7 +148,8 @@ def test_resume_after_crash_loses_nothing(env):
 
 def test_truncation_limit_and_settings_guard(env):
     long_ctx = "x" * 300 + " KEY-h0 " + "y" * 300  # the key sits in the middle and is cut away...
-    (env.data / "hotpotqa.jsonl").write_text(json.dumps(sample("KEY-h0", ["Paris"], context="KEY-h0 " + long_ctx)) + "\n")
+    row = sample("KEY-h0", ["Paris"], context="KEY-h0 " + long_ctx)
+    (env.data / "hotpotqa.jsonl").write_text(json.dumps(row) + "\n")
     report = run(env, FakeEngine(env.tok), tasks="hotpotqa", max_input_tokens=40)
     rec = json.loads((env.out / "pred" / "hotpotqa.jsonl").read_text())
     # ...but the head survives: 20 + 20 text ids + 4 chat-template ids
@@ -170,11 +176,12 @@ def test_limit_and_bad_input_fail_before_generating(env):
 
 def test_v2_run(env):
     REPLIES.update({"KEY-v0": "**The correct answer is (B)**",
-                    "KEY-v1": "<think>The correct answer is (B)</think>The correct answer is (C)", "KEY-v2": ""})  # fmt: skip
+                    "KEY-v1": "<think>The correct answer is (B)</think>The correct answer is (C)",
+                    "KEY-v2": ""})
     (env.lb / "prompts").mkdir()
     (env.lb / "prompts" / "0shot.txt").write_text("Text: $DOC$\nQ: $Q$\n(A) $C_A$ (B) $C_B$ (C) $C_C$ (D) $C_D$")
-    items = [{"_id": f"v{i}", "domain": "d", "difficulty": diff, "length": length, "question": f"KEY-v{i}?", "answer": "B",
-              "context": " ctx ", **{f"choice_{k}": k.lower() for k in "ABCD"}}
+    items = [{"_id": f"v{i}", "domain": "d", "difficulty": diff, "length": length, "question": f"KEY-v{i}?",
+              "answer": "B", "context": " ctx ", **{f"choice_{k}": k.lower() for k in "ABCD"}}
              for i, (diff, length) in enumerate([("easy", "short"), ("hard", "short"), ("hard", "long")])]  # fmt: skip
     (env.data / "data.json").write_text(json.dumps(items))
     eng = FakeEngine(env.tok)

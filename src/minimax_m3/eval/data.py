@@ -11,7 +11,8 @@ from .protocol import V2_TASK, base_task
 from ..errors import M3Error
 
 V1_FIELDS = ("input", "context", "answers", "length", "all_classes", "_id")
-V2_FIELDS = ("_id", "difficulty", "length", "question", "choice_A", "choice_B", "choice_C", "choice_D", "answer", "context")
+V2_FIELDS = ("_id", "difficulty", "length", "question", "choice_A", "choice_B", "choice_C", "choice_D", "answer",
+             "context")
 
 
 class LongBenchDataError(M3Error, ValueError):
@@ -61,7 +62,8 @@ def load_v1_task(data_dir, task: str) -> list[dict]:
     path = d / f"{task}.jsonl"
     if not path.is_file():
         present = sorted(p.stem for p in d.glob("*.jsonl"))
-        seen = f"it holds {', '.join(present[:8])}{'...' if len(present) > 8 else ''}" if present else "it holds no .jsonl"
+        more = "..." if len(present) > 8 else ""
+        seen = f"it holds {', '.join(present[:8])}{more}" if present else "it holds no .jsonl"
         raise LongBenchDataError(f"no {path.name} in {d} ({seen}); {_layout_hint(d)}")
     rows = read_jsonl(path, V1_FIELDS)
     _check_unique_ids(rows, path)

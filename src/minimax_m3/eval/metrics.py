@@ -132,7 +132,8 @@ def fuzz_ratio(s1: str, s2: str) -> int:
 def code_sim_score(prediction: str, ground_truth: str, **_) -> float:
     """Similarity of the first code line of the prediction (after leading newlines) that holds no backtick,
     ``#`` or ``//``; "" if there is none. The prediction is never stripped otherwise."""
-    line = next((ln for ln in prediction.lstrip("\n").split("\n") if "`" not in ln and "#" not in ln and "//" not in ln), "")
+    lines = prediction.lstrip("\n").split("\n")
+    line = next((ln for ln in lines if "`" not in ln and "#" not in ln and "//" not in ln), "")
     return fuzz_ratio(line, ground_truth) / 100
 
 

@@ -131,7 +131,8 @@ def chat_wrap(tokenizer, text: str) -> str:
             "the tokenizer has no chat_template; LongBench applies the model's chat format to 15 of 21 tasks. "
             "Use the model's own tokenizer (tokenizer_config.json with a chat_template)."
         )
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 @dataclass
@@ -150,7 +151,8 @@ def _finish(tokenizer, text: str, chat: bool) -> list[int]:
     return _encode(tokenizer, chat_wrap(tokenizer, text), False) if chat else _encode(tokenizer, text, True)
 
 
-def prepare_v1(tokenizer, prompt: str, task: str, max_input_tokens: int, max_total: int | None = None) -> PreparedPrompt:
+def prepare_v1(tokenizer, prompt: str, task: str, max_input_tokens: int,
+               max_total: int | None = None) -> PreparedPrompt:
     """Truncate ``prompt`` in the middle to ``max_input_tokens``, then apply the chat rule and tokenize.
 
     ``max_total`` (the engine's room for prompt ids, i.e. max_seq_len - max_gen): if the final ids exceed it
@@ -192,7 +194,10 @@ def prepare_v2(tokenizer, prompt: str, max_input_tokens: int, max_total: int | N
     ids = _encode(tokenizer, prompt, True)
     budget = max_input_tokens
     for _ in range(5):
-        text = prompt if len(ids) <= budget else tokenizer.decode(middle_truncate_v2(ids, budget), skip_special_tokens=True)
+        if len(ids) <= budget:
+            text = prompt
+        else:
+            text = tokenizer.decode(middle_truncate_v2(ids, budget), skip_special_tokens=True)
         final = _finish(tokenizer, text, True)
         if max_total is None or len(final) <= max_total:
             return PreparedPrompt(final, len(ids), len(ids) > budget)

@@ -164,7 +164,8 @@ def render_markdown(report: dict) -> str:
         if group not in report:
             continue
         lines += [f"**{group}** (README-style: mean of category means; code counts for both languages)", ""]
-        lines += ["| language | " + " | ".join(CATEGORIES) + " | avg | complete |", "|" + "---|" * (len(CATEGORIES) + 3)]
+        lines += ["| language | " + " | ".join(CATEGORIES) + " | avg | complete |",
+                  "|" + "---|" * (len(CATEGORIES) + 3)]
         for lang in ("en", "zh"):
             if lang in report[group]:
                 g = report[group][lang]
@@ -179,7 +180,8 @@ def render_markdown(report: dict) -> str:
         keys = ("overall", "easy", "hard", "short", "medium", "long")
         head = "| n | " + " | ".join(keys) + " | unextracted | empty output (not scored) |"
         lines += ["**LongBench v2** accuracy (%)", "", head, "|" + "---|" * 9]
-        lines.append(f"| {r['n']} | " + " | ".join(_fmt(r[k]) for k in keys) + f" | {r['n_unextracted']} | {r['n_empty_output']} |")
+        lines.append(f"| {r['n']} | " + " | ".join(_fmt(r[k]) for k in keys)
+                     + f" | {r['n_unextracted']} | {r['n_empty_output']} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -189,7 +191,8 @@ def write_report(out_dir, report: dict) -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, text in (("report.json", json.dumps(report, ensure_ascii=False, indent=2)), ("report.md", render_markdown(report))):
+    texts = (("report.json", json.dumps(report, ensure_ascii=False, indent=2)), ("report.md", render_markdown(report)))
+    for name, text in texts:
         write_atomic(out / name, text)
         paths.append(out / name)
     return paths[0], paths[1]
