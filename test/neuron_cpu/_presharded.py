@@ -51,7 +51,8 @@ def wide_config(layers: int = 3, experts: int = 64, expert_intermediate: int = 2
 
     moe = (False,) + (True,) * (layers - 1)
     return M3Config.preset("m3").replace(num_layers=layers, num_experts=experts, intermediate_size=expert_intermediate,
-                                         vocab_size=vocab, moe_layers=moe, sparse_layers=moe)
+                                         vocab_size=vocab, moe_layers=moe, sparse_layers=moe, bos_token_id=1,
+                                         eos_token_id=2)
 
 
 def measure(root: Path, tp: int = 64, ep: int = 64) -> dict:
