@@ -146,14 +146,14 @@ def mxfp8_twin_(model, source) -> None:
                 exact[w] = mxfp8_dequantize(q, s).t()
                 q2, sc = requantize_mxfp8(q, s)
                 fp8[w] = (q2.float() * sc[:, None]).t()
-            if not (torch.equal(ex.gate_up[e].float(), torch.cat([exact["w1"], exact["w3"]], 1).to(ex.gate_up.dtype)
-                                .float()) and torch.equal(ex.down[e].float(), exact["w2"].to(ex.down.dtype).float())):
+            gate_up = torch.cat([exact["w1"], exact["w3"]], 1).to(ex.gate_up.dtype)
+            if not (torch.equal(ex.gate_up[e], gate_up) and torch.equal(ex.down[e], exact["w2"].to(ex.down.dtype))):
                 raise FormatError(f"layer {L} expert {e}: the model does not hold the checkpoint's MXFP8 experts")
             with torch.no_grad():
                 ex.gate_up[e] = torch.cat([fp8["w1"], fp8["w3"]], 1)
                 ex.down[e] = fp8["w2"]
 
 
-__all__ = ["mxfp8_twin_", "EXPERT_WEIGHTS", "MODULES_TO_NOT_CONVERT", "QUANTIZATION_DTYPE", "QUANTIZATION_TYPE", "dequantize",
-           "error", "fp8_twin_", "mxfp8_experts", "neuron_config_kwargs", "quantize_per_channel",
+__all__ = ["EXPERT_WEIGHTS", "MODULES_TO_NOT_CONVERT", "QUANTIZATION_DTYPE", "QUANTIZATION_TYPE", "dequantize",
+           "error", "fp8_twin_", "mxfp8_experts", "mxfp8_twin_", "neuron_config_kwargs", "quantize_per_channel",
            "quantize_state_dict", "requantize_mxfp8"]
