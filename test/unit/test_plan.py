@@ -3,7 +3,8 @@
 import pytest
 
 from minimax_m3.config import M3Config
-from minimax_m3.neuron.plan import GIB, PlanError, decode_minimum_bytes, main, plan, prefill_flops, weight_bytes
+from minimax_m3.neuron.plan import (GIB, PlanError, decode_floor_ms, decode_minimum_bytes, main, plan, prefill_flops,
+                                    weight_bytes)
 
 M3 = M3Config.preset("m3")
 
@@ -30,8 +31,21 @@ def test_m3_tp64_ep64_bf16_weights_by_hand():
 
 def test_fp8_experts_by_hand():
     _, parts = weight_bytes(M3, 64, 64, "fp8")
-    # 6,455,033,856 expert params per rank x (1 byte + 1/32 byte of e8m0 scale)
-    assert parts["routed experts"] == 6_455_033_856 + 6_455_033_856 // 32 == 6_656_753_664
+    # NxD's expert-wise per-channel layout: 6,455,033,856 expert params per rank x 1 byte, plus fp32 scales
+    # [E, 1, out]: 57 layers x 2 local experts x (gate/up 2 x 3072 + down 6144 channels) x 4 bytes
+    assert parts["routed experts"] == 6_455_033_856 + 57 * 2 * 12_288 * 4 == 6_460_637_184
+    bf16 = weight_bytes(M3, 64, 64, "bf16")[1]["routed experts"]
+    assert parts["routed experts"] / bf16 == pytest.approx(0.5004, abs=1e-4)  # half of bf16's, plus 0.09 % scales
+
+
+def test_decode_floor_fp8_by_hand():
+    # batch 32 at 4K on TP64/EP64: every step reads both local experts (32 x 4 picks >= 2 local experts).
+    # bf16 (planner): 17,835,174,912 bytes; fp8 replaces 12,910,067,712 expert bytes by 6,460,637,184
+    bf16 = sum(decode_minimum_bytes(M3, 64, 64, 32, 4096, "bf16").values())
+    fp8 = sum(decode_minimum_bytes(M3, 64, 64, 32, 4096, "fp8").values())
+    assert bf16 == 17_835_174_912 and fp8 == bf16 - 12_910_067_712 + 6_460_637_184 == 11_385_744_384
+    assert decode_floor_ms(M3, 64, 64, 32, 4096, "fp8") == pytest.approx(11_385_744_384 / 725e9 * 1e3)
+    assert decode_floor_ms(M3, 64, 64, 32, 4096, "fp8") <= 16.0  # issue 15's target: 15.70 ms
 
 
 def test_caches_by_hand():

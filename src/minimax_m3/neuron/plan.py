@@ -8,7 +8,8 @@ NeuronCore; trn2.48xlarge at LNC=2 has 64 of them with 24 GiB HBM each), the byt
   at TP=64 every rank holds one of the 4 KV heads); the indexer's query projection like the KV heads (rank r
   needs only index head r // 16) and its single index-key head on every rank; dense MLPs and the shared expert
   TP-sharded; routers (fp32, on every rank); routed experts ``num_experts / ep`` per rank, each sharded over
-  ``moe_tp = tp / ep``. ``--weights fp8`` stores routed experts as MXFP8 (1 byte + one E8M0 scale per 32),
+  ``moe_tp = tp / ep``. ``--weights fp8`` stores routed experts in NxD's expert-wise per-channel e4m3 layout
+  (``checkpoint.fp8_experts``: 1 byte per weight + one fp32 scale per output channel of each local expert),
   everything else bf16.
 * **KV cache**: ``batch x seq`` tokens (seq rounded up to the indexer block) x layers x K and V of this rank's
   KV heads.
@@ -29,7 +30,6 @@ imports nothing from NxDI.
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 
 from ..config import M3Config
@@ -38,7 +38,8 @@ from ..errors import M3Error
 GIB = 1024 ** 3
 HBM_PER_RANK_GIB = 24.0  # trn2 at LNC=2: one logical core's share of HBM
 BF16, FP32 = 2, 4
-MXFP8_BYTES = 1 + 1 / 32  # e4m3 value + one e8m0 scale per 32 values
+FP8 = 1  # e4m3 routed-expert weight; plus an fp32 scale per expert and output channel (checkpoint.fp8_experts)
+HBM_BYTES_PER_S = 725e9  # one logical core's share of trn2 HBM bandwidth at LNC=2 (docs/perf_anchors.md)
 SHARD_ON_I_MULTIPLE = 256  # NxDI SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP (pads I/moe_tp with shard-on-I kernels)
 
 
@@ -98,7 +99,10 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[
     n_moe = sum(c.moe_layers)
     n_sparse = sum(c.sparse_layers)
     vocab = -(-c.vocab_size // tp) * tp
-    expert_bytes = MXFP8_BYTES if weights == "fp8" else BF16
+    i_rank = c.intermediate_size // moe_tp
+    experts = n_moe * (c.num_experts // ep) * 3 * h * i_rank * (FP8 if weights == "fp8" else BF16)
+    if weights == "fp8":  # scales [E, 1, 2I/moe_tp] (gate/up, sharded with its columns) and [E, 1, H] (down)
+        experts += n_moe * (c.num_experts // ep) * (2 * i_rank + h) * FP32
     parts = {
         "embedding + lm_head": 2 * vocab // tp * h * BF16,
         "attention": c.num_layers * (2 * q * d * h + 2 * kv * d * h + 2 * d) * BF16,
@@ -107,8 +111,7 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[
         "dense MLPs": (c.num_layers - n_moe) * 3 * h * c.dense_intermediate_size // tp * BF16,
         "shared experts": n_moe * 3 * h * c.shared_intermediate_size // tp * BF16,
         "routers (fp32)": n_moe * (c.num_experts * h + c.num_experts) * FP32,
-        "routed experts": math.ceil(n_moe * (c.num_experts // ep) * 3 * h * (c.intermediate_size // moe_tp)
-                                    * expert_bytes),
+        "routed experts": experts,
     }
     return sum(parts.values()), parts
 
@@ -195,6 +198,12 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     }
 
 
+def decode_floor_ms(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weights: str = "bf16",
+                    kv_dtype: str = "bf16") -> float:
+    """The HBM floor of one token-generation step: :func:`decode_minimum_bytes` at 725 GB/s per logical core."""
+    return sum(decode_minimum_bytes(c, tp, ep, batch, bucket, weights, kv_dtype).values()) / HBM_BYTES_PER_S * 1e3
+
+
 def prefill_flops(c: M3Config, tp: int, ep: int, batch: int, seq: int) -> dict[str, int]:
     """Useful dot FLOPs of one context-encoding pass of ``batch x seq`` tokens, per rank.
 
@@ -242,6 +251,10 @@ def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None)
     free = p.hbm_bytes - p.total_bytes
     verdict = "FITS" if p.fits else "DOES NOT FIT"
     lines.append(f"{verdict}: {'headroom' if p.fits else 'short by'} {abs(free) / GIB:.2f} GiB")
+    floor = decode_floor_ms(c, p.tp, p.ep, p.batch, -(-p.seq // c.index_block_size) * c.index_block_size,
+                            p.weights, p.kv_dtype)
+    lines.append(f"decode HBM floor at batch {p.batch}, {p.seq} tokens: {floor:.2f} ms per step "
+                 f"(bytes a step must read / {HBM_BYTES_PER_S / 1e9:.0f} GB/s)")
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
 
