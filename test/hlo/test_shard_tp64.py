@@ -205,8 +205,9 @@ def test_spotlight_ranks_by_hand(nxd, release, r):
             for j, e in enumerate((2 * r, 2 * r + 1)):  # 128 experts / 64 EP ranks
                 gu = torch.cat([release[f"{m}.experts.{e}.w1.weight"], release[f"{m}.experts.{e}.w3.weight"]]).t()
                 assert torch.equal(shard[f"{k}.expert_mlps.mlp_op.gate_up_proj.weight"][j], gu)
+                w2 = release[f"{m}.experts.{e}.w2.weight"]  # x routed_scaling_factor (2.0: exact in bf16)
                 assert torch.equal(shard[f"{k}.expert_mlps.mlp_op.down_proj.weight"][j],
-                                   release[f"{m}.experts.{e}.w2.weight"].t())
+                                   (c.routed_scaling_factor * w2.float()).to(w2.dtype).t())
             mlp, src, inter = f"layers.{L}.shared_expert", f"{m}.shared_experts", c.shared_intermediate_size
         else:
             mlp, src, inter = f"layers.{L}.mlp", f"{lm}.{L}.mlp", c.dense_intermediate_size
