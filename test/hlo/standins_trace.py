@@ -330,7 +330,7 @@ def hlo_debug(*_, **__):
 def _values() -> dict:
     from minimax_m3.neuron import hlo_schema
 
-    from . import scribe
+    from . import nki_kernels, scribe
 
     pb = types.SimpleNamespace(**hlo_schema.message_classes(), **hlo_schema.enums())
 
@@ -365,7 +365,7 @@ def _values() -> dict:
     return {"torch_neuronx.xla_impl.trace": trace, "torch_neuronx.pyhlo": pyhlo, "torch_neuronx.proto": proto,
             "torch_neuronx.xla_impl.ops": ops, "torch_neuronx.xla_impl.base": base,
             "torch_neuronx.xla_impl.custom_call_targets": targets,
-            "torch_neuronx.experimental.profiler.v2_x.custom_op_name": profiler}
+            "torch_neuronx.experimental.profiler.v2_x.custom_op_name": profiler, **nki_kernels.VALUES}
 
 
 def install() -> None:

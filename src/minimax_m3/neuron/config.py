@@ -44,7 +44,17 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
         kwargs.setdefault("up_clamp_upper_limit", 7.0)
         kwargs.setdefault("up_clamp_lower_limit", -7.0)
         kwargs.setdefault("padding_side", "right")
+        kwargs.setdefault("blockwise_matmul_config", dict(M3_BLOCKWISE))  # prefill MoE: see M3_BLOCKWISE
         super().__init__(**kwargs)
+
+
+# Prefill MoE (NxD's forward_blockwise): the shard-on-intermediate dynamic-while NKI kernel, the one NxD's kernel
+# gate accepts for SwiGLU with bias and clamps (modules/moe/blockwise.py:763-768) and to which forward_blockwise hands
+# per-block "has a routed token" conditions (expert_mlps_v2.py:838-839), so only blocks holding routed tokens are
+# computed; NxDI's Qwen3-MoE uses the same kernel (maybe_pad_intermediate). 256-token blocks: at EP 64 an expert gets
+# T*k/128 tokens (256 at 8K), and a block reads its expert's weights once for B rows (B FLOP per weight byte), so
+# B = 256 stays above trn2's ~125 FLOP/byte compute-to-HBM ratio. CPU mode keeps NxD's torch path (no kernel on CPU).
+M3_BLOCKWISE = {"block_size": 256, "use_shard_on_intermediate_dynamic_while": True}
 
 
 def m3_dict(c: M3Config) -> dict:
@@ -114,6 +124,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
             log.warning("moe_fused_nki_kernel_enabled ignored: NxD's fused MoE decode kernel routes without "
                         "e_score_correction_bias and would change expert selection")
         nc.moe_fused_nki_kernel_enabled = False
+        nc.blockwise_matmul_config.logical_nc_config = nc.logical_nc_config  # the kernel's LNC grid
         self.moe_fused_nki_kernel_enabled = False
 
     def validate_config(self):
