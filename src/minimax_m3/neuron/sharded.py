@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .._atomic import move_into_place
 from ..checkpoint.pipeline import bytes_view
 from ..checkpoint.reader import DTYPE_NAMES
 
@@ -115,7 +116,7 @@ class RankFile:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
-        os.replace(self.tmp, self.path)
+        move_into_place(self.tmp, self.path)
 
     def abort(self) -> None:
         self.f.close()
