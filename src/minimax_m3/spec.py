@@ -84,7 +84,7 @@ class EngineSpec:
     ep: int | None = None  # expert parallel degree (neuron: tp; reference: $MINIMAX_M3_EP under torchrun, else 1)
     lnc: int | None = None  # logical NeuronCore config (neuron: 2 on trn2; neuron-cpu: 1)
     context_buckets: tuple[int, ...] | None = None  # neuron prefill buckets (default: context_buckets())
-    token_buckets: tuple[int, ...] | None = None  # neuron decode buckets (default: token_buckets())
+    token_buckets: tuple[int, ...] | None = None  # neuron decode buckets (default: token_buckets(); CPU mode: one)
     compiled: str | None = None  # neuron: the artifact directory (default: under the model, named by the spec)
     continuous_batching: bool | None = None  # neuron: one prefill per request into its slot (default: max_batch > 1)
     all_logits: bool | None = None  # neuron: prefill returns every position's logits (default: on in CPU mode)
@@ -119,6 +119,8 @@ class EngineSpec:
             kw["context_buckets"] = tuple(sorted(self.context_buckets or context_buckets(ctx)))
             if self.token_buckets:
                 kw["token_buckets"] = tuple(sorted(self.token_buckets))
+            elif b == "neuron-cpu":  # CPU mode runs one decode module as long as the cache (see _neuron_problems)
+                kw["token_buckets"] = (self.max_seq_len,)
             elif config is not None:
                 kw["token_buckets"] = tuple(token_buckets(self.max_seq_len, config.index_block_size))
         return dataclasses.replace(self, **kw)
@@ -190,6 +192,9 @@ class EngineSpec:
             out.append(f"lnc must be 1 or 2 (trn2: 2), got {self.lnc}")
         if self.backend == "neuron-cpu" and self.ep != 1:
             out.append(f"ep {self.ep}: expert parallelism cannot run in NxDI's CPU mode; use ep 1")
+        if self.backend == "neuron-cpu" and len(self.token_buckets or ()) > 1:
+            out.append(f"token buckets {list(self.token_buckets)}: NxDI's CPU mode runs one decode module as long as "
+                       "the cache (a shorter bucket's mask does not fit it); give one, --max-seq-len")
         if self.backend == "neuron-cpu" and self.compiled:
             out.append("compiled applies to --backend neuron (CPU mode compiles nothing)")
         if importlib.util.find_spec("neuronx_distributed_inference") is None:

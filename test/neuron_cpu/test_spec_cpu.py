@@ -44,7 +44,7 @@ def test_compile_and_generate_options_give_the_same_nxdi_config(ckpt, neuron_cpu
     assert (a.tp_degree, a.batch_size, a.seq_len, a.max_context_length, a.is_continuous_batching) == \
         (neuron_cpu_tp, 2, 160, 128, True)
     assert a.context_encoding_buckets == [32, 64, 128]
-    assert a.token_generation_buckets == [128, 160]  # block-aligned from 128 (tiny's block: 16), then seq_len
+    assert a.token_generation_buckets == [160]  # CPU mode: one decode module as long as the cache
 
 
 class _Stop(Exception):

@@ -33,7 +33,9 @@ def test_defaults_per_backend(monkeypatch):
     cpu = EngineSpec("m", backend="neuron-cpu", max_batch=2, max_seq_len=300).resolve(TINY)
     assert (cpu.dtype, cpu.tp, cpu.ep, cpu.lnc, cpu.continuous_batching, cpu.all_logits) == \
         ("float32", 1, 1, 1, True, True)
-    assert cpu.token_buckets == (128, 256, 300)  # tiny's block is 16: 128 is its first multiple >= 128
+    assert cpu.token_buckets == (300,)  # CPU mode: one decode module, as long as the cache
+    assert EngineSpec("m", backend="neuron", max_seq_len=300).resolve(TINY).token_buckets == (128, 256, 300)
+    # (tiny's block is 16: 128 is its first multiple >= 128)
     monkeypatch.setattr("minimax_m3.spec._cuda_available", lambda: True)
     assert EngineSpec("m").resolve().dtype == "bfloat16"  # reference on CUDA
     # explicit context buckets set the longest prompt; --tp alone sets --ep on neuron
@@ -56,6 +58,7 @@ def test_every_problem_is_listed_at_once(monkeypatch):
                           token_buckets=(100, 500), lnc=3).problems(TINY)
     want = ["max_context_len 600 exceeds max_seq_len 500", "ep 4 must divide tp 3", "lnc must be 1 or 2",
             "ep 4: expert parallelism cannot run in NxDI's CPU mode",
+            "token buckets [100, 500]: NxDI's CPU mode runs one decode module",
             "backend neuron-cpu needs NxD Inference importable: set NXDI_SRC and NXD_SRC",
             "token-generation buckets [100, 500] must be multiples of index_block_size 16",
             "tp 3 does not divide the 8 attention heads", "tp 3 and 2 KV heads: one must divide the other"]
