@@ -132,3 +132,10 @@ def test_keyword_form_and_bad_option_values():
         spec_from_kwargs("m", batchsize=3)
     with pytest.raises(SystemExit):  # argparse's own usage error for a malformed list
         build_parser().parse_args(["generate", "--model", "m", "--prompt-ids", "1", "--token-buckets", "1,x"])
+
+
+def test_on_device_sampling_is_refused_until_the_neuron_build_wires_it():
+    problems = EngineSpec("m", backend="neuron", on_device_sampling=True).problems(M3)
+    assert any(p.startswith("on_device_sampling is not wired into the neuron build yet") for p in problems)
+    assert any(p.startswith("on_device_sampling applies to the neuron backend only")
+               for p in EngineSpec("m", on_device_sampling=True).problems(M3))
