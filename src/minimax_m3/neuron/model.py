@@ -184,6 +184,11 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
     def get_state_dict(cls, model_name_or_path: str, config: MiniMaxM3InferenceConfig) -> dict:
         return stream_state_dict(model_name_or_path, config)
 
+    @classmethod
+    def get_state_dict_stream(cls, model_name_or_path: str, config: MiniMaxM3InferenceConfig):
+        """:meth:`get_state_dict` as a stream of ``(name, tensor)``, unit by unit (``neuron.sharded``)."""
+        return stream_pairs(model_name_or_path, config)
+
     def get_model_wrapper_cls(self):
         return SeededModelWrapper if self.neuron_config.on_device_sampling_config else super().get_model_wrapper_cls()
 

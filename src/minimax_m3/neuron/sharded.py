@@ -201,8 +201,6 @@ def write_sharded(app, out_dir: str | Path, model_dir: str | Path | None = None)
     ``+ local_ranks_size``) of NxDI application ``app`` (a ``NeuronMiniMaxM3ForCausalLM``, not yet loaded) into
     ``out_dir`` (NxDI reads ``<compiled>/weights/``), converting ``model_dir`` (default: the app's model path) one
     unit at a time. Returns a small report (ranks, units, keys, bytes, seconds)."""
-    from .model import stream_pairs
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     nc = app.neuron_config
@@ -215,7 +213,7 @@ def write_sharded(app, out_dir: str | Path, model_dir: str | Path | None = None)
         with nxd_sharding_model(builder) as model:
             room = reserve(model)
             files = {r: RankFile(out / FILE.format(rank=r), room) for r in ranks}
-            stats = shard_units(builder, model, stream_pairs(src, app.config), ranks,
+            stats = shard_units(builder, model, app.get_state_dict_stream(src, app.config), ranks,
                                 lambda r, name, t: files[r].add(name, t))
         for f in files.values():
             f.close()
