@@ -10,8 +10,8 @@ every rank by
 * ``hook``: NxDI's ``shard_weights(OUT/compiled)`` as ``compile()`` calls it (the port's override streams), into
   ``OUT/compiled/weights/``.
 
-It writes ``OUT/report.json`` with the seconds taken and the process's peak resident memory (``ru_maxrss``) before
-and after the sharding, so the difference is the sharding's own peak above the loaded interpreter.
+It writes ``OUT/report.json`` with the seconds taken, the resident memory when the sharding starts and the peak
+resident memory during it (``VmHWM`` reset at the start), so the difference is the sharding's own peak.
 
 As ``test/hlo/_shard.py``: NxD's sharding runs outside NxDI's CPU mode (``NXD_CPU_MODE`` unset), as on a trn2 host.
 """
@@ -27,8 +27,19 @@ import time
 from pathlib import Path
 
 
-def _maxrss_mb() -> float:
+def _status_mb(field: str) -> float:
+    """``VmHWM`` (peak resident) or ``VmRSS`` of this process's own address space, in MiB. Not ``ru_maxrss``: after
+    fork + exec it starts from the parent's peak (the kernel copies the forked address space's high-water mark)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak() -> None:
+    """Reset this process's peak resident size to its current size (Linux ``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def build_app(ckpt: str, tp: int, ep: int, dtype: str = "bfloat16", skip_sharding: bool = True):
@@ -101,7 +112,8 @@ def main(argv: list[str]) -> int:
     standins.bootstrap()
     os.environ.pop("NXD_CPU_MODE", None)
     app = build_app(ckpt, tp, ep, dtype, skip_sharding=mode != "hook")
-    before = _maxrss_mb()
+    _reset_peak()
+    before = _status_mb("VmRSS")
     t0 = time.perf_counter()
     if mode == "nxd":
         app.get_builder().shard_checkpoint(serialize_path=str(out))
@@ -119,8 +131,8 @@ def main(argv: list[str]) -> int:
         extra = {"units": calls[0]["units"] if calls else 0, "write_sharded_calls": len(calls)}
     else:
         raise SystemExit(f"unknown mode {mode!r}: nxd, stream or hook")
-    report = {"mode": mode, "tp": tp, "ep": ep, "seconds": time.perf_counter() - t0, "maxrss_before_mb": before,
-              "maxrss_mb": _maxrss_mb(),
+    report = {"mode": mode, "tp": tp, "ep": ep, "seconds": time.perf_counter() - t0, "rss_before_mb": before,
+              "peak_mb": _status_mb("VmHWM"),
               **{k: v for k, v in extra.items() if k in ("units", "keys", "bytes", "max_unit_bytes",
                                                                  "write_sharded_calls")}}
     (out / "report.json").write_text(json.dumps(report))
