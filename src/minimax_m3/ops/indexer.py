@@ -24,12 +24,14 @@ def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, 
     """
     b, g, tq, _ = iq.shape
     sk = ik.shape[1]
-    # the G index heads stacked as rows of one product: the shared index keys are read once, never copied
-    rows = iq.float().reshape(b, g * tq, -1)
+    # the G index heads stacked as rows of one product: the shared index keys are read once, never copied. The
+    # product runs in the inputs' dtype (bf16 on device: TensorE's full rate, fp32 accumulation), the scores are
+    # then float32; measured against transformers' fp32 products in bf16 runs: the same greedy agreement (README)
+    rows = iq.reshape(b, g * tq, -1)
     if g * tq <= FEW_ROWS:
-        scores = torch.matmul(ik.float(), rows.transpose(-1, -2)).transpose(-1, -2).reshape(b, g, tq, sk)
+        scores = torch.matmul(ik, rows.transpose(-1, -2)).transpose(-1, -2).reshape(b, g, tq, sk).float()
     else:
-        scores = torch.matmul(rows, ik.float().transpose(-1, -2)).view(b, g, tq, sk)
+        scores = torch.matmul(rows, ik.transpose(-1, -2)).view(b, g, tq, sk).float()
     k_pos = torch.arange(sk, device=iq.device)
     future = k_pos.view(1, 1, 1, sk) > q_pos.view(b, 1, tq, 1)
     scores = scores.masked_fill(future, float("-inf"))
@@ -92,7 +94,7 @@ def select_blocks_prior_active(iq: torch.Tensor, ik: torch.Tensor, ik_new: torch
     b, g = iq.shape[0], iq.shape[1]
     q_pos = q_pos.view(b, 1)
     scores = index_block_scores(iq, ik, q_pos - 1, block_size)  # [B, G, 1, nblk], keys t <= p - 1
-    active = torch.matmul(iq.float(), ik_new.float().view(b, 1, -1, 1))  # [B, G, 1, 1]
+    active = torch.matmul(iq, ik_new.view(b, 1, -1, 1)).float()  # [B, G, 1, 1], as index_block_scores
     nblk = scores.shape[-1]
     own = torch.arange(nblk, device=iq.device).view(1, 1, 1, nblk) == (q_pos // block_size).view(b, 1, 1, 1)
     scores = torch.where(own, torch.maximum(scores, active), scores)
