@@ -144,3 +144,14 @@ class RmsNorm(torch.autograd.Function):
 
         return torch_xla._XLAC._xla_custom_call([hidden, weight], "AwsNeuronRmsNorm", [list(hidden.shape)],
                                                 [hidden.dtype], False, "", 1, {})[0]
+
+
+class TopK:
+    """``torch_neuronx.xla_impl.ops.TopK`` as NxD's distributed top-k calls it (``TopK.apply(t, k, dim=dim)``;
+    on-device sampling with ``top_k_kernel_enabled=False``): ``torch.topk`` lowered by XLA (values, int32 indices),
+    not Neuron's own lowering."""
+
+    @staticmethod
+    def apply(x, k, dim=-1):
+        values, indices = torch.topk(x, k, dim=dim)
+        return values, indices.to(torch.int32)

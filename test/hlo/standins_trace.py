@@ -351,6 +351,7 @@ def _values() -> dict:
     def ops(m):
         m.xla_hlo_call = scribe.xla_hlo_call
         m.RmsNorm = scribe.RmsNorm
+        m.TopK = scribe.TopK
 
     def base(m):
         m.xla_hlo_call = scribe.xla_hlo_call
