@@ -6,16 +6,20 @@
   r//16). The lightning indexer is sharded the same way: rank r computes only the index heads of the KV
   groups it holds (``IndexQProjection`` replicates index heads across ranks like NxDI replicates K/V), plus
   the single index-K head (replicated).
-* Prefill (every layer): ``perform_prefill`` → ``ops.prefill_attention`` — causal attention over query tiles
-  with boolean keep masks (True = attend); on sparse layers each tile's keep mask comes from the indexer's
-  top-k blocks per (query, KV group). Memory O(tile × S) per rank; no NKI kernel is involved, so no mask is
-  ever dropped. Causality comes from slot == position (right padding), not from NxDI's mask.
+* Prefill: ``perform_prefill`` → ``ops.prefill_step`` in query chunks (``ops.chunk_for``): ``prefill_chunks`` (8)
+  chunks up to ``prefill_chunks x prefill_max_chunk`` tokens (8K), then chunks of ``prefill_max_chunk`` (1024)
+  queries, which bounds one chunk's gathered K/V (the chunk loop is unrolled into the graph: see README).
+  Sparse layers: per chunk the indexer scores the keys up to the chunk's end and each query attends only to its
+  gathered top-k blocks (block-sparse FLOPs). Dense layers: NxDI's flash-attention kernel (boolean causal mask)
+  where NxDI's strategy picks it (device builds with the CTE attention kernel on); otherwise, and in CPU mode, the
+  chunked causal path. Causality comes from slot == position (right padding), not from NxDI's mask.
 * Decode (every layer): ``attention_tokengen`` attends to the bucket's PRIOR caches plus the ACTIVE token (NxDI's
   decomposition; the caches are only read here and written once, in place, by the cache manager). Sparse layers
   score the prior index keys and the active index key, take the top-k blocks and attend only to those blocks
   gathered from the KV cache, plus the active key (``ops.select_blocks_prior_active``,
   ``ops.decode_sparse_prior_active``); dense layers, and sparse layers whose bucket holds at most top-k blocks
   (the indexer would select them all), attend causally over the prior cache (``ops.decode_dense_prior_active``).
+  Both steps are ``ops.prefill_step`` / ``ops.decode_step``, the code the reference model and ``test/xla`` run.
 """
 
 from __future__ import annotations
@@ -66,9 +70,9 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         self.m3, self.layer_idx = c, layer_idx
         self.sparse = bool(c.sparse_layers[layer_idx])
         self.scale = c.softmax_scale
-        self.tile = getattr(config, "prefill_tile", 256)
-        self.sel = dict(block_size=c.index_block_size, topk=c.index_topk, init_blocks=c.index_init_blocks,
-                        local_blocks=c.index_local_blocks)
+        self.chunks = getattr(config, "prefill_chunks", 8)
+        self.max_chunk = getattr(config, "prefill_max_chunk", 1024)
+        self.selection = ops.Selection.of(c)
         self._index = None
         if self.sparse:
             tp, dtype = config.neuron_config.tp_degree, self.torch_dtype
@@ -112,26 +116,26 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
 
     # ---- prefill ----------------------------------------------------------------------------------
     def perform_prefill(self, Q, K, V, q_len, bsz, attention_mask):
+        if not self.sparse and self.get_flash_attention_strategy(q_len, attention_mask is not None) \
+                != FlashAttentionStrategy.NONE:
+            return super().perform_prefill(Q, K, V, q_len, bsz, attention_mask)  # NxDI's flash kernel (device)
+        chunk = ops.chunk_for(q_len, self.chunks, self.m3.index_block_size, self.max_chunk)
         if self.sparse:
             iq, ik, _, _ = self._index
-            out = ops.prefill_attention(Q, K, V, self.scale, iq=iq, ik=ik, tile=self.tile, **self.sel)
+            out = ops.prefill_step(Q, K, V, self.scale, chunk, self.selection, iq, ik)
         else:
-            out = ops.prefill_attention(Q, K, V, self.scale, tile=self.tile)
+            out = ops.prefill_step(Q, K, V, self.scale, chunk)
         return out, FlashAttentionStrategy.NONE
 
     # ---- decode -----------------------------------------------------------------------------------
     def attention_tokengen(self, Q, K, V, attention_mask, position_ids, past_key_value, active_mask, **kwargs):
         if position_ids.shape[-1] != 1:
             raise NotImplementedError("MiniMax-M3 decode takes one token per sequence (no speculation yet)")
-        bs, topk = self.m3.index_block_size, self.m3.index_topk
         kc, vc = past_key_value[0], past_key_value[1]  # the bucket's prior cache, read only
-        k_new, v_new = K.to(kc.dtype), V.to(vc.dtype)
         q_pos = position_ids[:, 0]
-        # a bucket of at most top-k blocks: the indexer selects every block up to the query's, i.e. dense causal
-        if not self.sparse or -(-kc.shape[2] // bs) <= topk:
-            return ops.decode_dense_prior_active(Q, kc, vc, k_new, v_new, q_pos, self.scale)
-        if kc.shape[2] % bs:  # validate_config keeps token-generation buckets block-aligned
-            raise ValueError(f"token-generation bucket {kc.shape[2]} is not a multiple of index_block_size {bs}")
-        iq, ik, _, ikc = self._index
-        blocks = ops.select_blocks_prior_active(iq, ikc, ik.to(ikc.dtype), q_pos, **self.sel)  # [B, G_local, K]
-        return ops.decode_sparse_prior_active(Q, kc, vc, k_new, v_new, q_pos, blocks, bs, self.scale)
+        if not self.sparse:
+            return ops.decode_step(Q, kc, vc, K.to(kc.dtype), V.to(vc.dtype), q_pos, self.scale)
+        iq, ik, _, ikc = self._index  # validate_config keeps token-generation buckets block-aligned
+        return ops.decode_step(Q, kc, vc, K.to(kc.dtype), V.to(vc.dtype), q_pos, self.scale, self.selection, iq, ikc,
+                               ik.to(ikc.dtype))
+
