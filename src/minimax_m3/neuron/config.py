@@ -34,7 +34,12 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
     (``NeuronEngine.prefill_logits``); it costs a ``bucket x vocab`` fp32 output, so serving builds keep it off."""
 
     def __init__(self, **kwargs):
+        problems = serving_problems(kwargs)
+        if problems:
+            raise ValueError("MiniMax-M3 cannot be served with this configuration: " + "; ".join(problems))
         self.prefill_all_logits = bool(kwargs.pop("prefill_all_logits", False))
+        # vllm-neuron passes tp_degree only: the MoE split defaults to all TP ranks over moe_ep_degree groups
+        kwargs.setdefault("moe_tp_degree", kwargs.get("tp_degree", 1) // max(1, kwargs.get("moe_ep_degree", 1)))
         kwargs.setdefault("glu_mlp", True)
         kwargs.setdefault("glu_type", "swiglu")
         kwargs.setdefault("hidden_act_scaling_factor", 1.702)
@@ -46,6 +51,29 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
         kwargs.setdefault("padding_side", "right")
         kwargs.setdefault("blockwise_matmul_config", dict(M3_BLOCKWISE))  # prefill MoE: see M3_BLOCKWISE
         super().__init__(**kwargs)
+
+
+# What vllm-neuron's neuron config can ask for that this port does not do, each with the vLLM setting to change.
+_NO_BLOCK_KV = ("the block KV layout is not supported (the index-K cache is one contiguous line per sequence, "
+                "like K/V)")
+UNSUPPORTED = (
+    (lambda kw: kw.get("is_prefix_caching"),
+     f"prefix caching: {_NO_BLOCK_KV}; serve with --no-enable-prefix-caching"),
+    (lambda kw: kw.get("chunked_prefill_config") or kw.get("is_chunked_prefill"),
+     f"chunked prefill: {_NO_BLOCK_KV}; leave --enable-chunked-prefill off and remove chunked_prefill_config from "
+     "override_neuron_config"),
+    (lambda kw: kw.get("is_block_kv_layout") and not (kw.get("is_prefix_caching") or kw.get("chunked_prefill_config")),
+     f"is_block_kv_layout: {_NO_BLOCK_KV}; remove it from override_neuron_config"),
+    (lambda kw: kw.get("enable_fused_speculation") or kw.get("enable_eagle_speculation")
+     or kw.get("speculation_length") or kw.get("medusa_speculation_length"),
+     "speculative decoding: decode takes one token per sequence; remove --speculative-config (and the "
+     "speculation fields of override_neuron_config)"),
+)
+
+
+def serving_problems(kwargs: dict) -> list[str]:
+    """What in a neuron config's keyword arguments (as vllm-neuron builds them) this port cannot serve."""
+    return [message for test, message in UNSUPPORTED if test(kwargs)]
 
 
 # Prefill MoE (NxD's forward_blockwise): the shard-on-intermediate dynamic-while NKI kernel, the one NxD's kernel
@@ -158,6 +186,12 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
             problems.append(f"token-generation buckets {tkg} must be multiples of index_block_size "
                             f"{c.index_block_size} (sparse decode reads the caches by whole blocks): choose such "
                             "token_generation_buckets (--token-buckets) and max length (--seq-len)")
+        problems += _bucket_problems(self, tkg)
+        if nc.moe_tp_degree * nc.moe_ep_degree != tp:
+            problems.append(f"moe_tp_degree {nc.moe_tp_degree} x moe_ep_degree {nc.moe_ep_degree} must equal "
+                            f"tp_degree {tp} (vLLM's --tensor-parallel-size)")
+        if c.num_experts % nc.moe_ep_degree:
+            problems.append(f"moe_ep_degree {nc.moe_ep_degree} must divide the {c.num_experts} experts")
         if problems:
             raise ValueError("MiniMax-M3 NxDI config: " + "; ".join(problems))
 
@@ -169,3 +203,22 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
     @classmethod
     def get_neuron_config_cls(cls):
         return MiniMaxM3NeuronConfig
+
+
+def _bucket_problems(cfg: InferenceConfig, tkg: list[int]) -> list[str]:
+    """Buckets that cannot hold the lengths the config promises (vllm-neuron sets ``seq_len`` and
+    ``max_context_length`` from --max-model-len; a longer request would fail only when it arrives)."""
+    nc = cfg.neuron_config
+    if not nc.enable_bucketing:
+        return []
+    problems = []
+    if tkg and max(tkg) < nc.seq_len:
+        problems.append(f"the largest token-generation bucket {max(tkg)} is below seq_len {nc.seq_len} (vLLM's "
+                        f"--max-model-len): lower --max-model-len to {max(tkg)} or add {nc.seq_len} to "
+                        "token_generation_buckets")
+    cte = nc.context_encoding_buckets
+    if cte and max(cte) < nc.max_context_length:
+        problems.append(f"the largest context-encoding bucket {max(cte)} is below max_context_length "
+                        f"{nc.max_context_length} (vLLM's --max-model-len): lower --max-model-len to {max(cte)} or "
+                        f"add {nc.max_context_length} to context_encoding_buckets")
+    return problems

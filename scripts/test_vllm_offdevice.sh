@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# MiniMax-M3 through vLLM, off-device: vLLM 0.13.0 + vllm-neuron 0.4.1 (torch 2.9.0) in their own environment
+# (.venv-vllm, ~11 GB: vLLM's x86 wheel brings CUDA libraries it does not use here), the project's NxDI port in
+# NxDI's CPU mode behind vllm-neuron's platform (test/vllm: the plugin, the neuron config vLLM builds, the smoke test).
+#
+#   NXDI_SRC=<neuronx-distributed-inference>/src NXD_SRC=<neuronx-distributed>/src \
+#   VLLM_NEURON_SRC=<vllm-neuron 0.4.1 checkout> bash scripts/test_vllm_offdevice.sh
+#
+# The pinned sources are at ../shared/third_party/. vllm-neuron is put on sys.path from VLLM_NEURON_SRC (not
+# installed: its NxDI requirement is not on PyPI). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+for var in NXDI_SRC NXD_SRC VLLM_NEURON_SRC; do
+  if [ -z "${!var:-}" ]; then
+    echo "test_vllm_offdevice: set $var (see README, 'Serving with vLLM')" >&2
+    exit 2
+  fi
+done
+PY=${PYTHON:-python3}
+if [ ! -x .venv-vllm/bin/python ]; then
+  "$PY" -m venv .venv-vllm
+fi
+.venv-vllm/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv-vllm/bin/python -m pip install -q -c constraints/vllm.txt vllm torch torch-xla transformers tenacity boto3 \
+  safetensors pytest
+.venv-vllm/bin/python -m pip install -q --no-deps -e . -e test/vllm/standin_platform
+export PJRT_DEVICE=CPU
+echo "test_vllm_offdevice: vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)'), vllm-neuron from $VLLM_NEURON_SRC"
+.venv-vllm/bin/python -m pytest -q test/vllm "$@"

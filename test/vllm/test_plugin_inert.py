@@ -1,0 +1,60 @@
+"""The vLLM general plugin without vLLM or without the Neuron SDK: it registers nothing and breaks nothing.
+
+Run in a fresh interpreter each (plugins run at vLLM start-up, in a process that has imported nothing else)."""
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import importlib.util, json, sys
+{hide}
+before = set(sys.modules)
+from minimax_m3.neuron import vllm_plugin
+vllm_plugin.register()
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+out = {{"sdk_imported": sorted(m for m in set(sys.modules) - before
+                               if m.split(".")[0] in ("neuronx_distributed_inference", "neuronx_distributed")),
+        "vllm_imported": sys.modules.get("vllm") is not None,
+        "our_config_registered": any(getattr(CONFIG_MAPPING._extra_content.get(t), "__module__", "")
+                                     == vllm_plugin.__name__ for t in ("minimax_m3_vl", "minimax_m3_vl_text"))}}
+if importlib.util.find_spec("vllm") is not None and "vllm" not in {hidden!r}:
+    from vllm import ModelRegistry
+    out["archs_registered"] = [a for a in vllm_plugin.ARCHITECTURES if a in ModelRegistry.get_supported_archs()]
+print("PROBE" + json.dumps(out))
+"""
+
+
+def _probe(hidden: tuple[str, ...]) -> dict:
+    # a module set to None in sys.modules cannot be imported: the environment without it
+    hide = "\n".join(f"sys.modules[{m!r}] = None" for m in hidden)
+    code = PROBE.format(hide=hide, hidden=hidden)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home())}  # no NXDI_SRC etc.: the SDK is not on the path
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("PROBE")][-1]
+    return json.loads(line[len("PROBE"):])
+
+
+def test_without_vllm_registers_nothing():
+    got = _probe(("vllm",))
+    assert got == {"sdk_imported": [], "vllm_imported": False, "our_config_registered": False}
+
+
+def test_without_the_neuron_sdk_registers_nothing():
+    got = _probe(("neuronx_distributed_inference", "neuronx_distributed"))
+    assert got["sdk_imported"] == [] and not got["our_config_registered"]
+    assert got.get("archs_registered", []) == []
+
+
+def test_entry_point_names_the_register_function():
+    eps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert eps["vllm.general_plugins"] == {"minimax_m3": "minimax_m3.neuron.vllm_plugin:register"}
+    from minimax_m3.neuron import vllm_plugin
+
+    assert callable(vllm_plugin.register)
