@@ -19,7 +19,7 @@ SEEDS = [11, 12345, 2**31 + 5]
 GLOBAL_TOPK = 512  # the tiny vocabulary: every token is a candidate, so the draw is exact
 
 
-def _app(ckpt, batch: int):
+def _app(ckpt, batch: int, all_logits: bool = False):
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
     from minimax_m3.neuron.engine import _to_cpu, application, build_neuron_config
     from minimax_m3.neuron.sampling import on_device_sampling_config
@@ -27,7 +27,7 @@ def _app(ckpt, batch: int):
     from .plugin import world_size
 
     nc = build_neuron_config(tp_degree=world_size(), batch_size=batch, max_seq_len=96, max_context_length=80,
-                             dtype="float32", on_cpu=True, continuous_batching=False, prefill_all_logits=False,
+                             dtype="float32", on_cpu=True, continuous_batching=False, prefill_all_logits=all_logits,
                              on_device_sampling_config=on_device_sampling_config(global_topk=GLOBAL_TOPK),
                              output_logits=True)
     app = application(str(ckpt), MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(str(ckpt))))
@@ -44,7 +44,11 @@ def _run(app, prompts, sp):
         ids[r, : len(p)], pos[r, : len(p)], mask[r, : len(p)] = torch.tensor(p), torch.arange(len(p)), 1
     app.reset()
     out = app(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=torch.arange(b), sampling_params=sp)
-    toks, logits = [out.tokens.reshape(-1)], [out.logits[:, -1].float()]
+    first = out.logits[:, -1]
+    if out.logits.shape[1] > 1:  # an all-logits build: every position, the last real one is the prompt's
+        last = torch.tensor([len(p) - 1 for p in prompts]).view(-1, 1, 1).expand(-1, 1, out.logits.shape[-1])
+        first = out.logits.gather(1, last)[:, 0]
+    toks, logits = [out.tokens.reshape(-1)], [first.float()]
     cur = torch.tensor([len(p) for p in prompts])
     for _ in range(STEPS - 1):
         out = app(input_ids=toks[-1].view(-1, 1).long(), position_ids=cur.view(-1, 1), seq_ids=torch.arange(b),
@@ -111,6 +115,15 @@ def test_a_sequence_samples_the_same_tokens_alone_and_in_a_batch_of_3(apps):
     # other neighbours, other seeds around row 1: row 1 unchanged
     swapped, _ = _run(batch, [PROMPTS[2], PROMPTS[1], PROMPTS[0]], _sp([rows[2], rows[1], (0, 1.0, 1.0, 999)]))
     assert swapped[1].tolist() == in_batch[1].tolist()
+
+
+def test_an_all_logits_build_samples_after_the_last_real_token(apps, ckpt):
+    """A ``prefill_all_logits`` build's prefill returns every position: the draw still follows each prompt's last
+    real token (a one-token prompt included), as in the default build."""
+    alone = apps[1]
+    scoring = _app(ckpt, 1, all_logits=True)
+    for prompt, row in (([42], (0, 1.0, 1.0, 7)), (PROMPTS[1], (0, 1.0, 1.0, 8)), (PROMPTS[0], (5, 0.9, 0.7, 9))):
+        assert _run(scoring, [prompt], _sp([row]))[0].tolist() == _run(alone, [prompt], _sp([row]))[0].tolist()
 
 
 def test_bad_sampling_params_are_one_error(apps):

@@ -102,7 +102,7 @@ class NeuronMiniMaxM3Model(NeuronBaseModel):
     def forward(self, input_ids, attention_mask, position_ids, *args, **kwargs):
         """NxDI's forward, with the prefill's last real token found from the attention mask (see
         :meth:`get_model_output`)."""
-        self._last_real, self._positions = None, position_ids
+        self._last_real, self._positions, self._mask = None, position_ids, attention_mask
         if attention_mask.dim() == 2 and self._is_context_encoding(input_ids) \
                 and not self.config.neuron_config.prefill_all_logits:
             # right padding: the last real token of a row is its mask's length - 1. NxDI infers a width-0 mask
@@ -144,8 +144,11 @@ class NeuronMiniMaxM3Model(NeuronBaseModel):
         (the prefill's last real token, or the decode token's position), and that row's logits."""
         if not isinstance(self.sampler, SeededSampler) or is_for_speculation:
             return super()._sample_on_device(logits, sampling_params, is_for_speculation, is_for_context_encoding)
-        last = self._last_real if is_for_context_encoding else None
-        counter = last if last is not None else self._positions.max(dim=1).values
+        counter = self._positions.max(dim=1).values
+        if is_for_context_encoding and self._last_real is not None:
+            counter = self._last_real
+        elif is_for_context_encoding and self._mask is not None and self._mask.dim() == 2:
+            counter = self._mask.sum(dim=1).clamp(min=1) - 1  # right padding: the last real token (all-logits builds)
         if logits.shape[1] > 1:  # all-position prefill logits
             row = torch.gather(logits, 1, counter.to(torch.long).view(-1, 1, 1).expand(-1, 1, logits.shape[2]))[:, 0]
         else:

@@ -98,6 +98,10 @@ class SeededSampler(Sampler):
 
 def create_m3_sampler(neuron_config, lm_head_tp_degree=None):
     """The port's sampler for an ``on_device_sampling_config`` build."""
+    odsc = neuron_config.on_device_sampling_config
+    if (odsc.do_sample or odsc.dynamic) and odsc.global_topk <= 0:
+        raise ValueError(f"on_device_sampling_config.global_topk must be > 0 (got {odsc.global_topk}): the seeded "
+                         "sampler draws among the top global_topk tokens of the whole vocabulary (NxDI's default 256)")
     return SeededSampler(neuron_config)
 
 
