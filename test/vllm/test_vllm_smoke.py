@@ -123,8 +123,9 @@ def test_staggered_requests_give_golden_greedy_tokens(llm, golden):
 
 def test_seeded_sampling_reproduces(llm, golden):
     """A sampled request run again with its seed gives the same tokens, and sampling is not greedy. (vllm-neuron
-    0.4.1 gives every request ``generator=None`` and samples on device from the sampler's own random stream, so
-    the seed's value is not what fixes the draw: README, 'Serving with vLLM'.)"""
+    0.4.1 hands the model ``[top_k, top_p, temperature]`` per row and no seed, so the port's seeded on-device
+    sampler draws every request with seed 0: reproducible and independent of batch neighbours, but the same for
+    every vLLM seed; README, 'Serving with vLLM'.)"""
     from vllm import SamplingParams
 
     def sample(seed):
