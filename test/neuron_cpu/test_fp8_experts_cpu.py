@@ -1,14 +1,14 @@
 """FP8 routed experts through the port in NxDI's CPU mode (issue 15 item 5): NxDI's own quantized-model path
-(``neuron_config.quantized`` -> NxD ``convert`` with ``modules_to_not_convert``, ``DecoderModelInstance.load_module``,
-model_wrapper.py:1455-1529) turns only the routed experts into NxD's ``QuantizedExpertFused{Column,Row}Parallel``
-(expert-wise per-channel e4m3, fp32 scales); the converted state dict's experts pass through
-``checkpoint.fp8_experts.quantize_state_dict``. NxDI's ``to_cpu()`` builds each model with ``model_cls(config)`` and
-never runs that conversion (application_base.py:598-600: quantized models do not run in its CPU mode as shipped), so
-the test's model class builds itself through ``load_module``, the code the device build runs.
-Graded against the reference backend in float32 with the same dequantized fp8 experts (``fp8_twin_``): both
-multiply the same e4m3 values by the same fp32 scales, one before the matmul and one after, so they agree to
-float32 rounding (bound 2e-4 as the golden suite) at every prefill position. Decode fails in CPU mode on an NxD
-defect (strict xfail below, so a fixed NxD shows up).
+(``neuron_config.quantized`` -> NxD ``convert`` with ``modules_to_not_convert``,
+``DecoderModelInstance.load_module``, model_wrapper.py:1455-1529) turns only the routed experts into NxD's
+``QuantizedExpertFused{Column,Row}Parallel`` (expert-wise per-channel e4m3, fp32 scales); the converted state dict's
+experts pass through ``checkpoint.fp8_experts.quantize_pairs`` in the port's ``stream_pairs`` (on when
+``neuron_config.quantized``). NxDI's ``to_cpu()`` builds each model with ``model_cls(config)`` and never runs that
+conversion (application_base.py:598-600: quantized models do not run in its CPU mode as shipped), so the test's model
+class builds itself through ``load_module``, the code the device build runs. Graded against the reference backend in
+float32 with the same dequantized fp8 experts (``fp8_twin_``): both multiply the same e4m3 values by the same fp32
+scales, one before the matmul and one after, so they agree to float32 rounding (bound 2e-4 as the golden suite) at
+every prefill position. Decode fails in CPU mode on an NxD defect (strict xfail below, so a fixed NxD shows up).
 
 In-process only (TP 1): it builds its own NxDI model.
 """
@@ -35,7 +35,7 @@ def single_process(neuron_cpu_tp):
 
 
 def _fp8_app(ckpt):
-    from minimax_m3.checkpoint.fp8_experts import neuron_config_kwargs, quantize_state_dict
+    from minimax_m3.checkpoint.fp8_experts import neuron_config_kwargs
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
     from minimax_m3.neuron.engine import AllPositionsForCausalLM, AllPositionsModel, _to_cpu, build_neuron_config
     from neuronx_distributed_inference.models.model_wrapper import DecoderModelInstance
@@ -46,12 +46,8 @@ def _fp8_app(ckpt):
             instance.load_module()
             return instance.module
 
-    class Fp8Experts(AllPositionsForCausalLM):
+    class Fp8Experts(AllPositionsForCausalLM):  # the port's own state dict: quantized when nc.quantized
         _model_cls = Converted
-
-        @classmethod
-        def get_state_dict(cls, model_name_or_path, config):
-            return quantize_state_dict(super().get_state_dict(model_name_or_path, config))
 
     nc = build_neuron_config(on_cpu=True, tp_degree=1, batch_size=1, max_seq_len=128, max_context_length=64,
                              dtype="float32", prefill_all_logits=True, quantized_checkpoints_path=str(ckpt),

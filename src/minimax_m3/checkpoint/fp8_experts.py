@@ -105,11 +105,19 @@ def quantize_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A converted NxDI state dict with bf16/fp32 routed experts → the same dict with each
     ``moe.expert_mlps.mlp_op.{gate_up,down}_proj.weight`` e4m3 plus its ``.scale`` (fp32 ``[E, 1, out]``); the zero
     expert biases, routers, shared experts, attention and norms are untouched."""
-    out = dict(sd)
-    for name, t in sd.items():
+    return dict(quantize_pairs(sd.items()))
+
+
+def quantize_pairs(pairs):
+    """:func:`quantize_state_dict` over a ``(name, tensor)`` stream (the converter's, one rule at a time): each routed
+    expert weight is followed by its ``.scale``."""
+    for name, t in pairs:
         if name.endswith(EXPERT_WEIGHTS) and t.is_floating_point() and t.dtype != torch.float8_e4m3fn:
-            out[name], out[name[: -len("weight")] + "scale"] = quantize_per_channel(t)
-    return out
+            q, scale = quantize_per_channel(t)
+            yield name, q
+            yield name[: -len("weight")] + "scale", scale
+        else:
+            yield name, t
 
 
 def error(approx: torch.Tensor, exact: torch.Tensor) -> dict[str, float]:
@@ -155,5 +163,5 @@ def mxfp8_twin_(model, source) -> None:
 
 
 __all__ = ["EXPERT_WEIGHTS", "MODULES_TO_NOT_CONVERT", "QUANTIZATION_DTYPE", "QUANTIZATION_TYPE", "dequantize",
-           "error", "fp8_twin_", "mxfp8_experts", "mxfp8_twin_", "neuron_config_kwargs", "quantize_per_channel",
-           "quantize_state_dict", "requantize_mxfp8"]
+           "error", "fp8_twin_", "mxfp8_experts", "mxfp8_twin_", "neuron_config_kwargs", "quantize_pairs",
+           "quantize_per_channel", "quantize_state_dict", "requantize_mxfp8"]

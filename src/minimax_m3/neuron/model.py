@@ -10,7 +10,7 @@ from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalL
 from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG
 from torch import nn
 
-from ..checkpoint import CheckpointError, convert
+from ..checkpoint import CheckpointError, convert, fp8_experts
 from ..checkpoint.nxdi_rules import fp32_targets
 from .attention import NeuronMiniMaxM3Attention
 from .config import MiniMaxM3InferenceConfig
@@ -168,8 +168,15 @@ def stream_pairs(path, config: MiniMaxM3InferenceConfig):
     """The ``(name, tensor)`` stream behind :func:`stream_state_dict`, one rule's tensors at a time, unit by unit
     (the global tensors, then each layer): what ``neuron.sharded.write_sharded`` shards without holding it all."""
     nc = config.neuron_config
-    return convert.stream_state_dict(path, to="neuron", dtype=nc.torch_dtype, tp=nc.tp_degree,
-                                     config=config.m3_config(), fused_qkv=nc.fused_qkv)
+    pairs = convert.stream_state_dict(path, to="neuron", dtype=nc.torch_dtype, tp=nc.tp_degree,
+                                      config=config.m3_config(), fused_qkv=nc.fused_qkv)
+    if not nc.quantized:
+        return pairs
+    if nc.quantization_type != fp8_experts.QUANTIZATION_TYPE or nc.quantization_dtype != fp8_experts.QUANTIZATION_DTYPE:
+        raise CheckpointError([f"quantization {nc.quantization_type}/{nc.quantization_dtype}: the port writes routed "
+                               "experts as expert_wise_per_channel_symmetric/f8e4m3 only; use "
+                               "checkpoint.fp8_experts.neuron_config_kwargs()"], source="neuron config")
+    return fp8_experts.quantize_pairs(pairs)  # e4m3 routed experts plus their .scale keys
 
 
 class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
