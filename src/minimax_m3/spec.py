@@ -28,7 +28,10 @@ TRN2_LAYOUT = {"tp": 64, "lnc": 2}  # trn2.48xlarge: 64 logical NeuronCores of 2
 ARTIFACT_FILE = "minimax-m3-spec.json"  # in a compiled directory: the artifact key it was built for
 # the fields that change the compiled NEFFs (and so name the artifact directory)
 ARTIFACT_FIELDS = ("tp", "ep", "lnc", "dtype", "max_batch", "max_seq_len", "max_context_len", "context_buckets",
-                   "token_buckets", "continuous_batching", "all_logits", "on_device_sampling")
+                   "token_buckets", "continuous_batching", "all_logits", "on_device_sampling", "weights")
+# artifact fields added after records were first written: a record without one was compiled with this value
+_RECORD_DEFAULTS = {"weights": "bf16"}
+WEIGHTS = ("bf16", "fp8")
 
 
 class SpecError(ConfigError):
@@ -89,6 +92,7 @@ class EngineSpec:
     continuous_batching: bool | None = None  # neuron: one prefill per request into its slot (default: max_batch > 1)
     all_logits: bool | None = None  # neuron: prefill returns every position's logits (default: on in CPU mode)
     on_device_sampling: bool = False  # neuron: decode returns chosen ids (the loop then samples nothing)
+    weights: str = "bf16"  # neuron: routed experts bf16 | fp8 (checkpoint.fp8_experts: NxD's per-channel e4m3)
     tile: int = 256  # reference: prefill query tile
     cache_dir: str | None = None  # where s3:// models are downloaded
 
@@ -139,6 +143,8 @@ class EngineSpec:
                             ("tp (--tp)", s.tp), ("ep (--ep)", s.ep), ("lnc (--lnc)", s.lnc), ("tile", s.tile)):
             if value < 1:
                 out.append(f"{name} must be >= 1, got {value}")
+        if s.weights not in WEIGHTS:
+            out.append(f"unknown weights {s.weights!r}: choose bf16 or fp8 (--weights)")
         if s.max_context_len > s.max_seq_len:
             out.append(f"max_context_len {s.max_context_len} exceeds max_seq_len {s.max_seq_len}: a prompt must fit "
                        "the cache (lower --max-context-len or raise --max-seq-len)")
@@ -172,6 +178,9 @@ class EngineSpec:
                 out.append(f"{name} applies to the neuron backends only; drop it for --backend reference")
         if self.on_device_sampling:
             out.append("on_device_sampling applies to the neuron backend only")
+        if self.weights != "bf16":
+            out.append("weights fp8 applies to the neuron backends (the reference measures fp8 experts through "
+                       "checkpoint.fp8_experts.fp8_twin_)")
         if self.lnc not in (None, 1):
             out.append("lnc applies to the neuron backend only")
         world = _world_size()
@@ -261,6 +270,7 @@ class EngineSpec:
         if not saved.is_file():
             return
         have, want = json.loads(saved.read_text()), self.artifact_key()
+        have = {**_RECORD_DEFAULTS, **have}
         diff = [f"{k}: compiled for {have.get(k)!r}, asked for {want[k]!r}" for k in want if have.get(k) != want[k]]
         if diff:
             raise SpecError(diff + ["compile again with these options, or pass the options it was compiled for"],
@@ -342,6 +352,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, backend: str | None = "ref
                    help="neuron: prefill returns every position's logits (a scoring build; default: on in CPU mode)")
     g.add_argument("--on-device-sampling", action="store_true", default=False,
                    help="neuron: sample on device (decode returns token ids)")
+    g.add_argument("--weights", default=None, choices=WEIGHTS,
+                   help="neuron: routed-expert format (fp8: NxD's expert-wise per-channel e4m3; default bf16)")
 
 
 def spec_from_args(args: argparse.Namespace, **overrides) -> EngineSpec:

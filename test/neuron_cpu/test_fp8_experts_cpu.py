@@ -35,9 +35,9 @@ def single_process(neuron_cpu_tp):
 
 
 def _fp8_app(ckpt):
-    from minimax_m3.checkpoint.fp8_experts import neuron_config_kwargs
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import AllPositionsForCausalLM, AllPositionsModel, _to_cpu, build_neuron_config
+    """The CPU-mode application of ``--weights fp8`` (the engine spec's one translation to NxDI's config)."""
+    from minimax_m3.neuron.engine import AllPositionsForCausalLM, AllPositionsModel, _to_cpu, inference_config
+    from minimax_m3.spec import EngineSpec
     from neuronx_distributed_inference.models.model_wrapper import DecoderModelInstance
 
     class Converted(AllPositionsModel):
@@ -49,10 +49,12 @@ def _fp8_app(ckpt):
     class Fp8Experts(AllPositionsForCausalLM):  # the port's own state dict: quantized when nc.quantized
         _model_cls = Converted
 
-    nc = build_neuron_config(on_cpu=True, tp_degree=1, batch_size=1, max_seq_len=128, max_context_length=64,
-                             dtype="float32", prefill_all_logits=True, quantized_checkpoints_path=str(ckpt),
-                             **neuron_config_kwargs())
-    app = Fp8Experts(str(ckpt), MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(str(ckpt))))
+    spec = EngineSpec(str(ckpt), backend="neuron-cpu", dtype="float32", max_seq_len=128, max_context_len=64,
+                      max_batch=1, all_logits=True, weights="fp8").validate()
+    config = inference_config(spec)
+    nc = config.neuron_config
+    assert nc.quantized and nc.quantization_type == "expert_wise_per_channel_symmetric"
+    app = Fp8Experts(spec.model, config)
     _to_cpu(app)
     return app
 

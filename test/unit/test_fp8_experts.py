@@ -110,6 +110,27 @@ def test_neuron_config_keeps_everything_but_routed_experts_bf16():
         assert not skipped(path), path
 
 
+def test_engine_spec_weights_option(tmp_path):
+    import json
+
+    from minimax_m3.spec import EngineSpec, SpecError
+
+    with pytest.raises(SpecError, match="weights fp8 applies to the neuron backends"):
+        EngineSpec("/ckpt", backend="reference", weights="fp8").validate(M3Config.preset("tiny"))
+    with pytest.raises(SpecError, match="unknown weights 'int4'"):
+        EngineSpec("/ckpt", backend="neuron", weights="int4").validate(M3Config.preset("m3"))
+    bf16 = EngineSpec("/ckpt", backend="neuron").resolve(M3Config.preset("m3"))
+    fp8 = EngineSpec("/ckpt", backend="neuron", weights="fp8").resolve(M3Config.preset("m3"))
+    assert bf16.artifact_dir() != fp8.artifact_dir()
+    # a record written before the option existed was compiled with bf16 experts: it loads as bf16, not as fp8
+    key = bf16.artifact_key()
+    del key["weights"]
+    (tmp_path / "minimax-m3-spec.json").write_text(json.dumps(key))
+    bf16.check_artifact(str(tmp_path))
+    with pytest.raises(SpecError, match="weights: compiled for 'bf16', asked for 'fp8'"):
+        fp8.check_artifact(str(tmp_path))
+
+
 def test_mxfp8_release_requantization_error_vs_exact(tmp_path):
     """Every routed expert of a synthetic MXFP8 checkpoint: the power-of-two rule against the exact dequantized
     weights, and no worse than NxD's amax/448 rule applied to those exact weights."""

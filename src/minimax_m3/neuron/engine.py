@@ -27,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from ..checkpoint import fp8_experts
 from ..config import ConfigError, M3Config
 from ..engine import Engine, EngineInputError
 from ..spec import EngineSpec, context_buckets, spec_from_kwargs
@@ -188,6 +189,8 @@ def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
               context_encoding_buckets=list(spec.context_buckets), token_generation_buckets=list(spec.token_buckets))
     if not on_cpu:
         kw.update(logical_nc_config=spec.lnc, save_sharded_checkpoint=True, attn_kernel_enabled=False)
+    if spec.weights == "fp8":  # NxD's quantized routed experts; the port's state dict then carries e4m3 + .scale
+        kw.update(fp8_experts.neuron_config_kwargs(), quantized_checkpoints_path=str(spec.model))
     kw.update(extra)
     return build_neuron_config(**kw)
 
