@@ -51,7 +51,9 @@ def test_sparsity_is_active_for_these_prompts(engines):
     c = ref.config
     assert len(PROMPTS[0]) > c.index_topk * c.index_block_size
     r, d = ref.prefill_logits(PROMPTS[:2]), dense.prefill_logits(PROMPTS[:2])
-    assert (r[1] - d[1]).abs().max() < 1e-5  # short prompt: every block kept, the twins agree
+    # short prompt: every block kept, the twins agree up to summation order (in this batch the sparse twin runs the
+    # gathered-block path, the 70-token row drops blocks; the dense twin the masked dense path): measured 1.0e-5
+    assert (r[1] - d[1]).abs().max() < 3e-5
     assert (r[0][-1] - d[0][-1]).abs().max() > 1e-2  # long prompt: the indexer dropped blocks
 
 
