@@ -1,0 +1,37 @@
+"""One sharding run of a ``--weights fp8`` build in a fresh interpreter (NxD's mock distribution):
+``python -m test.neuron_cpu._fp8_presharded stream|nxd CKPT OUT TP`` writes ``OUT/tp{r}_sharded_checkpoint.safetensors``
+through ``neuron.sharded.write_sharded`` (stream) or NxD's ``ModelBuilder.shard_checkpoint`` (nxd)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    mode, ckpt, out, tp = argv[0], argv[1], Path(argv[2]), int(argv[3])
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["BASE_COMPILE_WORK_DIR"] = str(out / "work") + "/"
+    from test.neuron_cpu import standins
+
+    standins.bootstrap()
+    os.environ.pop("NXD_CPU_MODE", None)
+    from minimax_m3.neuron.engine import application, inference_config
+    from minimax_m3.spec import EngineSpec
+
+    spec = EngineSpec(ckpt, backend="neuron", tp=tp, ep=1, lnc=1, max_seq_len=256, max_batch=1,
+                      context_buckets=(256,), token_buckets=(256,), weights="fp8").resolve()
+    config = inference_config(spec, skip_sharding=True)
+    app = application(ckpt, config)
+    if mode == "nxd":
+        app.get_builder().shard_checkpoint(serialize_path=str(out))
+    else:
+        from minimax_m3.neuron.sharded import write_sharded
+
+        write_sharded(app, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
