@@ -147,6 +147,7 @@ def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> P
                    "world_size": nc.world_size, "rank": 0},
         "dtype": str(nc.torch_dtype).replace("torch.", ""), "batch_size": nc.batch_size,
         "max_length": nc.max_length, "model": model_config.fields_dict(), "graphs": graphs,
+        "weights": "fp8" if getattr(nc, "quantized", False) else "bf16",  # routed experts (checkpoint.fp8_experts)
     }
     path = out / "dry_run.json"
     write_atomic(path, (json.dumps(manifest, indent=1) + "\n").encode())

@@ -152,7 +152,8 @@ def analytic(cfg: M3Config, man: dict, g: dict) -> dict:
     size = 4 if str(man.get("dtype", "bfloat16")) in ("float32", "torch.float32") else 2
     try:
         if g["submodel"] == "token_generation_model":
-            return {"bytes_read": plan.decode_minimum_bytes(cfg, tp, ep, batch, g["bucket"], dtype_bytes=size)}
+            return {"bytes_read": plan.decode_minimum_bytes(cfg, tp, ep, batch, g["bucket"], man.get("weights", "bf16"),
+                                                            dtype_bytes=size)}
         return {"flops": plan.prefill_flops(cfg, tp, ep, batch, g["bucket"])}
     except plan.PlanError as exc:
         return {"error": str(exc)}
