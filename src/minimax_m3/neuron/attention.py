@@ -9,10 +9,11 @@
 * Prefill: ``perform_prefill`` → ``ops.prefill_step`` in query chunks (``ops.chunk_for``): ``prefill_chunks`` (8)
   chunks up to ``prefill_chunks x prefill_max_chunk`` tokens (8K), then chunks of ``prefill_max_chunk`` (1024)
   queries, which bounds one chunk's gathered K/V (the chunk loop is unrolled into the graph: see README).
-  Sparse layers: per chunk the indexer scores the keys up to the chunk's end and each query attends only to its
-  gathered top-k blocks (block-sparse FLOPs). Dense layers: NxDI's flash-attention kernel (boolean causal mask)
-  where NxDI's strategy picks it (device builds with the CTE attention kernel on); otherwise, and in CPU mode, the
-  chunked causal path. Causality comes from slot == position (right padding), not from NxDI's mask.
+  Sparse layers: per chunk the indexer scores the keys up to the chunk's end (top-k through the SDK's ``TopK`` op
+  on device) and each query attends only to its gathered top-k blocks (block-sparse FLOPs). Dense layers: NxDI's
+  flash-attention kernel (boolean causal mask) where NxDI's strategy picks it (device builds with the CTE attention
+  kernel on); otherwise, and in CPU mode, the chunked causal path. Causality comes from slot == position (right
+  padding), not from NxDI's mask.
 * Decode (every layer): ``attention_tokengen`` attends to the bucket's PRIOR caches plus the ACTIVE token (NxDI's
   decomposition; the caches are only read here and written once, in place, by the cache manager). Sparse layers
   score the prior index keys and the active index key, take the top-k blocks and attend only to those blocks
@@ -29,6 +30,7 @@ from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
 from neuronx_distributed_inference.modules.attention.attention_base import (
     FlashAttentionStrategy, NeuronAttentionBase, NeuronAttentionBaseOutput,
 )
+from neuronx_distributed.utils import cpu_mode
 from torch import nn
 
 from .. import ops
@@ -122,7 +124,7 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         chunk = ops.chunk_for(q_len, self.chunks, self.m3.index_block_size, self.max_chunk)
         if self.sparse:
             iq, ik, _, _ = self._index
-            out = ops.prefill_step(Q, K, V, self.scale, chunk, self.selection, iq, ik)
+            out = ops.prefill_step(Q, K, V, self.scale, chunk, self.selection, iq, ik, topk_fn=_topk_fn())
         else:
             out = ops.prefill_step(Q, K, V, self.scale, chunk)
         return out, FlashAttentionStrategy.NONE
@@ -139,3 +141,13 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         return ops.decode_step(Q, kc, vc, K.to(kc.dtype), V.to(vc.dtype), q_pos, self.scale, self.selection, iq, ikc,
                                ik.to(ikc.dtype))
 
+
+def _topk_fn():
+    """The SDK's top-k op on device, NxD's own choice (``neuronx_distributed.operators.topk``), rather than the full
+    ``sort`` ``torch.topk`` lowers to; ``torch.topk`` in CPU mode. Any order and index dtype: ``ops.select_blocks``
+    takes the k winners as a set."""
+    if cpu_mode():
+        return None
+    from torch_neuronx.xla_impl.ops import TopK
+
+    return lambda x, k, dim=-1: TopK.apply(x, k, dim=dim)
