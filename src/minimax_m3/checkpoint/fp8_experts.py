@@ -24,14 +24,16 @@ awaits hardware to check against M3's top-k 4 in prefill.
 
 **Rules** (one home; the converter, the reference accuracy twin and the tests call these):
 
-* from bf16/fp32 (and from NVFP4, through its exact float32 dequantization): NxD's own per-channel rule
-  (``quantize_fp8_per_channel``, ``quantization_utils.py:126-142``): ``scale = max(amax over in / 448, 1e-5)``
-  per expert and output channel, ``q = e4m3(clamp(w / scale, ±448))`` rounding to nearest even.
+* from bf16/fp32 (and from NVFP4, through its exact float32 dequantization): per expert and output channel the
+  smallest power of two ``scale`` with ``amax / scale <= 448``, ``q = e4m3(w / scale)`` rounding to nearest even.
+  NxD's own rule (``quantize_fp8_per_channel``, ``quantization_utils.py:126-142``: ``scale = amax / 448``) rounds
+  the same for normal values but re-rounds every value of an already-fp8 row (below).
 * from MXFP8 (``W = e4m3(q) x 2^(s_b - 127)`` per 1x32 block ``b`` of a row): the row's scale is the power of two
   of its largest block exponent, ``scale = 2^(max_b s_b - 127)``, and ``q' = e4m3(q x 2^(s_b - max_b s_b))``. The
   blocks holding the row's largest scale keep their bytes; a value of another block is exact unless
-  ``|q'| < 2^-6`` (e4m3's subnormal range), where it rounds to the multiple of ``2^-9`` nearest to it. The amax/448
-  rule would instead round every element of the row (measured in HISTORY: larger error).
+  ``|q'| < 2^-6`` (e4m3's subnormal range), where it rounds to the multiple of ``2^-9`` nearest to it. The bf16
+  rule on the exact dequantized row picks the same power of two or half of it, so the port's path (release → bf16,
+  exact → fp8) is at least as exact (test); NxD's amax/448 rule would round every element of the row.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ import torch
 
 from .formats import E4M3_MAX, MX_BLOCK, FormatError, e8m0_to_float
 
-SCALE_FLOOR = 1e-5  # NxD's quantize_fp8_per_channel floor on the scale
 QUANTIZATION_TYPE = "expert_wise_per_channel_symmetric"
 QUANTIZATION_DTYPE = "f8e4m3"
 # NxD's convert() leaves a ColumnParallel/RowParallel module alone when any of these is a substring of its dotted
@@ -57,12 +58,20 @@ def neuron_config_kwargs() -> dict:
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., in, out]`` (bf16/fp32) → (``float8_e4m3fn [..., in, out]``, ``float32 [..., 1, out]``): NxD's rule,
-    one scale per output channel (per expert when there is a leading expert axis)."""
+    """``[..., in, out]`` (bf16/fp32) → (``float8_e4m3fn [..., in, out]``, ``float32 [..., 1, out]``): one scale per
+    output channel (per expert with a leading expert axis), the smallest power of two with ``amax / scale <= 448``
+    (an all-zero channel gets 1); values round to nearest even. On the exact dequantization of an MXFP8 row it picks
+    :func:`requantize_mxfp8`'s power of two (or half of it, where the release's largest value rounded down to 224 x
+    its block scale), so the release passes through bf16 without loss but below e4m3's normal range."""
     if w.dim() < 2 or not w.is_floating_point():
         raise FormatError(f"per-channel fp8 needs a floating [.., in, out] weight, got {w.dtype}{list(w.shape)}")
     x = w.float()
-    scale = (x.abs().amax(dim=-2, keepdim=True) / E4M3_MAX).clamp_min(SCALE_FLOOR)
+    amax = x.abs().amax(dim=-2, keepdim=True)
+    safe = torch.where(amax > 0, amax, torch.full_like(amax, E4M3_MAX))
+    e = torch.ceil(torch.log2(safe / E4M3_MAX))
+    e = torch.where(torch.ldexp(torch.tensor(E4M3_MAX), e) < safe, e + 1, e)  # log2 may land one off: fix exactly
+    e = torch.where(torch.ldexp(torch.tensor(E4M3_MAX), e - 1) >= safe, e - 1, e)
+    scale = torch.ldexp(torch.ones_like(e), e)
     q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
