@@ -91,7 +91,7 @@ def test_fp8_expert_prefill_matches_reference_with_dequantized_experts(engines):
     port, ref = engines
     for p in _prompts(ref.config.vocab_size):
         a, b = ref.prefill_logits([p])[0], port.prefill_logits([p])[0]
-        assert (a - b).abs().max().item() <= 2e-4  # measured 1.3e-5 max (logits up to 17.4)
+        assert (a - b).abs().max().item() <= 2e-4  # measured 9.7e-6 max (logits up to 17.7)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 

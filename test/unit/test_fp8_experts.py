@@ -193,7 +193,7 @@ def test_fp8_expert_model_vs_bf16_checkpoint_model(tmp_path):
     """bf16 source: the float32 reference model with its routed experts replaced by their dequantized fp8 values
     (exactly what NxD's layers multiply) against the same model unquantized. The random synthetic model amplifies
     weight error ~6x into the logits (its bf16-weight twin already moves them 1.5 %), so the bounds are loose;
-    measured: weights 2.6 % rel. Frobenius, logits 14.6 %, top-1 82 % (HISTORY 2026-11-30)."""
+    measured: weights 2.7 % rel. Frobenius, logits 16.5 %, top-1 87 % (HISTORY 2026-11-30)."""
     path = write_synthetic(tmp_path / "tiny", "tiny")
     ref = ReferenceEngine.from_pretrained(path, device="cpu", dtype="float32", max_seq_len=256)
     fp8 = ReferenceEngine.from_pretrained(path, device="cpu", dtype="float32", max_seq_len=256)
@@ -205,7 +205,7 @@ def test_fp8_expert_model_vs_bf16_checkpoint_model(tmp_path):
     (la, ta), (lb, tb) = _logits_and_tokens(ref, prompts), _logits_and_tokens(fp8, prompts)
     top1 = float((la.argmax(-1) == lb.argmax(-1)).float().mean())
     assert top1 >= 0.75 and error(lb, la)["rel_fro"] < 0.25, (top1, error(lb, la))
-    assert [t[0] for t in ta] == [t[0] for t in tb]  # greedy: first divergence measured at tokens 7, 3, 1
+    assert [t[0] for t in ta] == [t[0] for t in tb]  # greedy: first divergence measured at tokens 1, 4, 3
 
 
 def test_requantized_mxfp8_model_matches_the_release_model(tmp_path):
