@@ -7,7 +7,6 @@ graded against transformers in the project's own suite). Also: one context-encod
 One NxDI model per file (TP 2 and 4 rerun this file under torchrun, one model per process)."""
 
 import pytest
-import torch
 
 from minimax_m3.config import M3Config
 from minimax_m3.engine import GenerationConfig
