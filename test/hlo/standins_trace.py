@@ -142,7 +142,7 @@ def _flatten(out) -> list:
 
 def generate_hlo(func, example_inputs, input_output_aliases, inline_weights_to_neff=False, return_weights=False,
                  output_aliased_tensor=False, cpu_backend=True, preserve_parameters=False, **_):
-    import torch_xla
+    import torch_xla  # noqa: F401  (initialises the XLA runtime before the first device call)
 
     from minimax_m3.neuron import hlo_schema
 
@@ -198,7 +198,7 @@ def generate_hlo(func, example_inputs, input_output_aliases, inline_weights_to_n
     weight_name_to_idx = {}
     meta = METANEFF.MetaNeff()
     role_type = {"input": 0, "state": 1, "weight": 2, "constant": 2}
-    for new, (old, role, name, t) in enumerate(order):
+    for new, (_old, role, name, t) in enumerate(order):
         mt = meta.input_tensors.add(name=name.encode(), shape=list(t.shape), data_type=DTYPES.get(t.dtype, "f32"),
                                     type=role_type[role], checkpoint_key=name.encode())
         if role == "weight":

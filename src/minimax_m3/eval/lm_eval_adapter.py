@@ -5,7 +5,8 @@
         --tasks local_longbench_hotpotqa --include_path MY_LOCAL_TASKS --apply_chat_template
 
 (the module runs lm_eval's own CLI after registering the model; from Python, importing this module is
-enough for ``lm_eval.simple_evaluate(model="minimax-m3", ...)``). ``generate_until`` middle-truncates the context ids to ``max_length - max_gen_toks``
+enough for ``lm_eval.simple_evaluate(model="minimax-m3", ...)``). ``generate_until`` middle-truncates the context ids
+to ``max_length - max_gen_toks``
 and cuts the text at the first ``until`` string itself (the harness does not). Loglikelihood requests are not
 served: LongBench v2's official protocol is generative (``minimax-m3 longbench --tasks v2``).
 """
@@ -48,7 +49,8 @@ class MiniMaxM3LM(LM):
         if engine is None:
             if pretrained is None:
                 raise ValueError("minimax-m3 needs model_args pretrained=<checkpoint dir> (or an engine object)")
-            kw = {k: v for k, v in (("max_seq_len", max_seq_len), ("dtype", dtype), ("device", device)) if v is not None}
+            given = (("max_seq_len", max_seq_len), ("dtype", dtype), ("device", device))
+            kw = {k: v for k, v in given if v is not None}
             if kw.get("max_seq_len") is not None:
                 kw["max_seq_len"] = int(kw["max_seq_len"])
             from ..backends import load_engine
@@ -84,7 +86,8 @@ class MiniMaxM3LM(LM):
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
         self._chat_applied = True  # the templated text carries its own special tokens
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def _gen_config(self, kw: dict) -> tuple[GenerationConfig, list[str]]:
         until = kw.get("until") or []
@@ -93,7 +96,8 @@ class MiniMaxM3LM(LM):
         greedy = not kw.get("do_sample", False) or float(kw.get("temperature", 0.0)) == 0.0
         stops = tuple(tuple(self.tokenizer.encode(s, add_special_tokens=False)) for s in until if s)
         gen = GenerationConfig(max_new_tokens=max_gen, temperature=0.0 if greedy else float(kw["temperature"]),
-                               eos_token_ids=self.eos_ids, stop_sequences=tuple(s for s in stops if s), seed=0)  # fmt: skip
+                               eos_token_ids=self.eos_ids, stop_sequences=tuple(s for s in stops if s),
+                               seed=0)
         return gen, until
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

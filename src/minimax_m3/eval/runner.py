@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from .._atomic import write_atomic
 from ..engine import GenerationConfig
 from . import data as lbdata
 from .data import LongBenchDataError
@@ -78,12 +79,11 @@ def _check_run_config(out_dir: Path, settings: dict) -> None:
         diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if diff:
             detail = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"{out_dir} holds a run with other settings ({detail}); resume with the same settings or use a new --out")
+            raise ValueError(f"{out_dir} holds a run with other settings ({detail}); resume with the same settings "
+                             "or use a new --out")
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(settings, indent=2), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(settings, indent=2))
 
 
 def _generate_forcing_first(engine, prompts, gen: GenerationConfig, banned: Sequence[int]):
@@ -98,7 +98,8 @@ def _generate_forcing_first(engine, prompts, gen: GenerationConfig, banned: Sequ
             if gen.max_new_tokens == 1:
                 res.tokens, res.finish_reason = [first], "length"
                 continue
-            rest = engine.generate([list(prompts[i]) + [first]], dataclasses.replace(gen, max_new_tokens=gen.max_new_tokens - 1))[0]
+            more = dataclasses.replace(gen, max_new_tokens=gen.max_new_tokens - 1)
+            rest = engine.generate([list(prompts[i]) + [first]], more)[0]
             res.tokens, res.finish_reason = [first] + rest.tokens, rest.finish_reason
     return results
 
@@ -177,9 +178,11 @@ def run_longbench(
                 batch = rows[start : start + batch_size]
                 room = engine.max_seq_len - max_gen
                 if task == V2_TASK:
-                    prep = [prepare_v2(tokenizer, fill_v2_prompt(v2_template, r), max_input_tokens, room) for r in batch]
+                    prep = [prepare_v2(tokenizer, fill_v2_prompt(v2_template, r), max_input_tokens, room)
+                            for r in batch]
                 else:
-                    prep = [prepare_v1(tokenizer, fill_v1_prompt(template, r, task), task, max_input_tokens, room) for r in batch]
+                    prep = [prepare_v1(tokenizer, fill_v1_prompt(template, r, task), task, max_input_tokens, room)
+                            for r in batch]
                 ids = [p.ids for p in prep]
                 if extra_eos:
                     results = _generate_forcing_first(engine, ids, gen, gen.eos_token_ids)
@@ -215,7 +218,8 @@ def _select(records: list[dict], rows: list[dict]) -> list[dict]:
 
 def _record(task: str, row: dict, prep, res, text: str, think: bool = False) -> dict:
     common = {"_id": row["_id"], "prompt_tokens": len(prep.ids), "raw_prompt_tokens": prep.raw_tokens,
-              "truncated": prep.truncated, "gen_tokens": len(res.tokens), "finish_reason": res.finish_reason}  # fmt: skip
+              "truncated": prep.truncated, "gen_tokens": len(res.tokens),
+              "finish_reason": res.finish_reason}
     if task == V2_TASK:
         # pred.py writes no line for an empty output; it is kept here (so a resume does not redo it) but
         # flagged, and the report leaves it out (report.score_v2).
@@ -224,7 +228,8 @@ def _record(task: str, row: dict, prep, res, text: str, think: bool = False) -> 
         return {**common, "response": response, "pred": pred, "answer": row["answer"], "judge": pred == row["answer"],
                 "difficulty": row["difficulty"], "length": row["length"], "domain": row.get("domain"),
                 "empty_output": text == ""}  # fmt: skip
-    return {**common, "pred": text, "answers": row["answers"], "all_classes": row["all_classes"], "length": row["length"]}
+    return {**common, "pred": text, "answers": row["answers"], "all_classes": row["all_classes"],
+            "length": row["length"]}
 
 
 def _progress(total: int, enabled: bool):
