@@ -71,6 +71,14 @@ def test_compile_hook_streams_the_same_files(ckpt, tmp_path):
         assert set(a[r]) == set(b[r]) and all(torch.equal(a[r][k], b[r][k]) for k in a[r])
 
 
+def test_a_parameter_no_key_fills_is_refused_by_name(ckpt, tmp_path):
+    """The device path loads rank files by name (NxDI's strict=False load on CPU): a converter key that misses its
+    parameter must fail while sharding, naming the parameter, and leave no rank file behind."""
+    got = _presharded.run("misnamed", ckpt, tmp_path / "bad", 2, 1)
+    assert got["error"] is not None and _presharded.MISNAMED in got["error"], got
+    assert got["files"] == []
+
+
 def test_header_reservation_is_padding_only(ckpt, tmp_path):
     """The reserved header region ends in spaces (the safetensors format's padding), data starts 8-aligned, and
     the offsets cover the data exactly (safetensors' own loader checks that; read back above)."""

@@ -16,6 +16,7 @@ from .attention import NeuronMiniMaxM3Attention
 from .config import MiniMaxM3InferenceConfig
 from .kv_cache import M3KVCacheManager
 from .layers import GemmaNorm, SwiGLUOAIMLP
+from .sharded import unfilled_parameters
 from .sampling import SeededModelWrapper, SeededSampler, create_m3_sampler, validate, widen
 from .moe import attach_shared_expert, initialize_m3_moe_module
 
@@ -58,20 +59,6 @@ class NeuronMiniMaxM3DecoderLayer(nn.Module):
 
 
 RULES = "minimax_m3/checkpoint/nxdi_rules.py"
-RUNTIME_STATE = ("kv_mgr.past_key_values.",)  # the caches: zeros from NxDI, never in a checkpoint
-
-
-def unfilled_parameters(module: nn.Module, keys) -> list[str]:
-    """Names of ``module``'s parameters and buffers that no key in ``keys`` fills, the caches excepted. A tensor
-    registered under several names (NxDI shares ``rank_util`` with the KV manager) is filled through any."""
-    names: dict[int, list[str]] = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        names.setdefault(id(t), []).append(name)
-    keys = set(keys)
-    return sorted(ns[0] for ns in names.values()
-                  if keys.isdisjoint(ns) and not all(n.startswith(RUNTIME_STATE) for n in ns))
-
-
 class NeuronMiniMaxM3Model(NeuronBaseModel):
     def setup_attr_for_model(self, config: MiniMaxM3InferenceConfig):
         nc = config.neuron_config

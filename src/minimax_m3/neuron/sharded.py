@@ -37,12 +37,26 @@ from torch import nn
 
 from .._atomic import move_into_place
 from ..checkpoint.pipeline import bytes_view
-from ..checkpoint.reader import DTYPE_NAMES
+from ..checkpoint.reader import DTYPE_NAMES, CheckpointError
 
 log = logging.getLogger(__name__)
 
 FILE = "tp{rank}_sharded_checkpoint.safetensors"
 _ENTRY_BOUND = 200  # bytes of header JSON per tensor beyond its name: dtype, up to 6 dims, two 20-digit offsets
+
+
+RUNTIME_STATE = ("kv_mgr.past_key_values.",)  # the caches: zeros from NxDI, never in a checkpoint
+
+
+def unfilled_parameters(module: nn.Module, keys) -> list[str]:
+    """Names of ``module``'s parameters and buffers that no key in ``keys`` fills, the caches excepted. A tensor
+    registered under several names (NxDI shares ``rank_util`` with the KV manager) is filled through any."""
+    names: dict[int, list[str]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+    keys = set(keys)
+    return sorted(ns[0] for ns in names.values()
+                  if keys.isdisjoint(ns) and not all(n.startswith(RUNTIME_STATE) for n in ns))
 
 
 def unit_of(key: str) -> str:
@@ -213,8 +227,18 @@ def write_sharded(app, out_dir: str | Path, model_dir: str | Path | None = None)
         with nxd_sharding_model(builder) as model:
             room = reserve(model)
             files = {r: RankFile(out / FILE.format(rank=r), room) for r in ranks}
-            stats = shard_units(builder, model, app.get_state_dict_stream(src, app.config), ranks,
-                                lambda r, name, t: files[r].add(name, t))
+            written: set[str] = set()
+
+            def sink(rank: int, name: str, t: torch.Tensor) -> None:
+                files[rank].add(name, t)
+                written.add(name)
+
+            stats = shard_units(builder, model, app.get_state_dict_stream(src, app.config), ranks, sink)
+            # NxD loads rank files by name: a parameter no key fills would keep its initial value on device
+            missing = unfilled_parameters(model, written)
+            if missing:
+                raise CheckpointError([f"{k}: a parameter of the NxDI model that the converted state dict does not "
+                                       "fill" for k in missing], source=f"pre-sharded weights for {out}")
         for f in files.values():
             f.close()
     except BaseException:
