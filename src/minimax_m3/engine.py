@@ -104,6 +104,9 @@ class StepProvider(Protocol):
         """Teacher-forced logits at every position, up to ``max_batch`` prompts: float32 ``[len, vocab]`` each."""
         ...
 
+    # Optional: ``start(gen)``, called once per ``generate`` before any step, for a provider that samples on the
+    # device (it then returns :class:`StepOutput` token ids drawn with ``gen``'s settings and seed).
+
 
 @dataclass
 class _Sequence:
@@ -176,6 +179,9 @@ class Engine:
         """Generate for every prompt; each sequence gets exactly the tokens it would get alone (sampling: one
         generator per sequence, seeded with ``gen.seed``)."""
         prompts = self.check(prompts, gen.max_new_tokens)
+        start = getattr(self.provider, "start", None)
+        if start is not None:
+            start(gen)
         t0 = time.perf_counter()
         results: list[GenerationResult | None] = [None] * len(prompts)
         waiting = deque(range(len(prompts)))

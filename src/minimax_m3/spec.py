@@ -204,9 +204,6 @@ class EngineSpec:
         if self.backend == "neuron-cpu" and len(self.token_buckets or ()) > 1:
             out.append(f"token buckets {list(self.token_buckets)}: NxDI's CPU mode runs one decode module as long as "
                        "the cache (a shorter bucket's mask does not fit it); give one, --max-seq-len")
-        if self.on_device_sampling:  # the hook: the loop takes chosen ids through engine.StepOutput
-            out.append("on_device_sampling is not wired into the neuron build yet; sample on the host (drop "
-                       "--on-device-sampling)")
         if self.backend == "neuron-cpu" and self.compiled:
             out.append("compiled applies to --backend neuron (CPU mode compiles nothing)")
         if importlib.util.find_spec("neuronx_distributed_inference") is None:

@@ -7,6 +7,8 @@ also returns (``output_logits``); the same sequence's tokens in a batch-of-one b
 model as int32 ids, one per row and call.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -134,3 +136,34 @@ def test_bad_sampling_params_are_one_error(apps):
         app.validate_sampling_params(torch.tensor([[1.0, 1.0, 1.0, 0.5, 0.0]]))
     with pytest.raises(ValueError, match=rf"\[batch, {WIDTH}\]"):
         app.validate_sampling_params(torch.ones(1, 4))
+
+
+def test_the_engine_drives_on_device_sampling(ckpt):
+    """``--on-device-sampling`` through ``load_engine(spec)`` and the one generation loop: only token ids leave the
+    build. Greedy: the reference engine's tokens (graded against transformers elsewhere). Sampled (one seed for every
+    sequence, as the loop's contract): each sequence gets the same tokens alone as in a continuous batch of 3 with
+    staggered lengths, and the draw does leave the argmax."""
+    from minimax_m3.backends import load_engine
+    from minimax_m3.engine import GenerationConfig, StepOutput
+    from minimax_m3.reference.engine import ReferenceEngine
+    from minimax_m3.spec import EngineSpec
+
+    from .plugin import world_size
+
+    def engine(batch):
+        return load_engine(EngineSpec(str(ckpt), backend="neuron-cpu", tp=world_size(), dtype="float32",
+                                      max_seq_len=96, max_context_len=80, max_batch=batch, on_device_sampling=True))
+
+    batched, alone = engine(3), engine(1)
+    out = batched.provider.decode([5], [3], [0])
+    assert isinstance(out, StepOutput) and out.logits is None and out.token_ids.dtype == torch.int32
+    ref = ReferenceEngine.from_pretrained(str(ckpt), device="cpu", dtype="float32", max_seq_len=128)
+    greedy = GenerationConfig(max_new_tokens=STEPS)
+    want = [r.tokens for r in ref.generate(PROMPTS, greedy)]
+    assert [r.tokens for r in batched.generate(PROMPTS, greedy)] == want
+    sampled = GenerationConfig(max_new_tokens=STEPS, temperature=1.0, top_k=20, seed=1234)
+    together = [r.tokens for r in batched.generate(PROMPTS, dataclasses.replace(sampled, max_new_tokens=STEPS))]
+    assert together == [alone.generate([p], sampled)[0].tokens for p in PROMPTS]
+    assert together != want
+    with pytest.raises(Exception, match="return_logits needs logits"):
+        batched.generate(PROMPTS[:1], dataclasses.replace(greedy, return_logits=True))

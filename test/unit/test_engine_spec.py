@@ -134,8 +134,8 @@ def test_keyword_form_and_bad_option_values():
         build_parser().parse_args(["generate", "--model", "m", "--prompt-ids", "1", "--token-buckets", "1,x"])
 
 
-def test_on_device_sampling_is_refused_until_the_neuron_build_wires_it():
+def test_on_device_sampling_is_a_neuron_option():
     problems = EngineSpec("m", backend="neuron", on_device_sampling=True).problems(M3)
-    assert any(p.startswith("on_device_sampling is not wired into the neuron build yet") for p in problems)
+    assert not any("on_device_sampling" in p for p in problems), problems
     assert any(p.startswith("on_device_sampling applies to the neuron backend only")
                for p in EngineSpec("m", on_device_sampling=True).problems(M3))

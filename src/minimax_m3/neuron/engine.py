@@ -29,9 +29,10 @@ import torch
 
 from ..checkpoint import fp8_experts
 from ..config import ConfigError, M3Config
-from ..engine import Engine, EngineInputError
+from ..engine import Engine, EngineInputError, GenerationConfig, StepOutput
 from ..spec import EngineSpec, context_buckets, spec_from_kwargs
 from .config import MiniMaxM3InferenceConfig, MiniMaxM3NeuronConfig, load_m3_config
+from . import sampling
 from .model import NeuronMiniMaxM3ForCausalLM, NeuronMiniMaxM3Model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -109,13 +110,37 @@ class NeuronProvider:
         nc = app.neuron_config
         self.max_batch, self.max_context_len, self.max_seq_len = nc.batch_size, nc.max_context_length, nc.seq_len
         self.continuous = bool(nc.is_continuous_batching)
+        self.odsc = nc.on_device_sampling_config  # sampling on the device: steps return token ids
+        self.gen = GenerationConfig()
+
+    def start(self, gen: GenerationConfig) -> None:
+        """The settings every row samples with until the next ``generate`` (on-device sampling only)."""
+        self.gen = gen
+
+    def _sampling_params(self, n: int) -> dict:
+        """``sampling_params`` of a call with ``n`` rows: every row draws with ``gen``'s settings at its own
+        (seed, position); none without on-device sampling."""
+        if self.odsc is None:
+            return {}
+        g = self.gen
+        row = (g.top_k, g.top_p, g.temperature, 0 if g.seed is None else g.seed)
+        return {"sampling_params": sampling.params([row] * n, self.odsc.global_topk)}
+
+    def _step(self, out, rows: list[int]):
+        """Logits ``[n, V]`` of ``rows`` (last position), or their on-device token ids (with the logits when the
+        build outputs them)."""
+        if self.odsc is None:
+            return out.logits[:, -1].float()[rows]
+        logits = out.logits[:, -1].float()[rows] if getattr(out, "logits", None) is not None else None
+        return StepOutput(logits=logits, token_ids=out.tokens.reshape(-1)[rows])
 
     # no autograd: in CPU mode the weights require grad and the caches chain every step's graph (~250 MB
     # per tiny-model prefill kept alive, unbounded); on device the traced graph has none.
     @torch.no_grad()
-    def _context(self, rows: Sequence[Sequence[int]], seq_ids: torch.Tensor) -> list[torch.Tensor]:
-        """One context-encoding call writing cache rows ``seq_ids``; per row, the logits ``[L, V]`` of its every
-        position (all-position builds) or ``[1, V]`` of its last token."""
+    def _call(self, rows: Sequence[Sequence[int]], seq_ids: torch.Tensor):
+        """One context-encoding call writing cache rows ``seq_ids``: per row, the logits ``[L, V]`` of its every
+        position (all-position builds) or ``[1, V]`` of its last token (None when an on-device-sampling build
+        outputs no logits), and the on-device token ids ``[rows]`` (None without on-device sampling)."""
         width = max(len(r) for r in rows)  # NxDI pads on to the smallest bucket that holds it
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         pos = torch.zeros(len(rows), width, dtype=torch.long)
@@ -125,26 +150,38 @@ class NeuronProvider:
             pos[r, : len(row)] = torch.arange(len(row))
             mask[r, : len(row)] = 1
         self.app.reset()
-        logits = self.app(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=seq_ids).logits.float()
+        out = self.app(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=seq_ids,
+                       **self._sampling_params(len(rows)))
+        tokens = out.tokens.reshape(-1) if self.odsc is not None else None
+        if getattr(out, "logits", None) is None:
+            return [None] * len(rows), tokens
+        logits = out.logits.float()
         if logits.shape[1] == 1:
-            return list(logits)
-        return [logits[r, : len(row)] for r, row in enumerate(rows)]
+            return list(logits), tokens
+        return [logits[r, : len(row)] for r, row in enumerate(rows)], tokens
 
-    def _static(self, rows: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def _context(self, rows: Sequence[Sequence[int]], seq_ids: torch.Tensor) -> list[torch.Tensor]:
+        return self._call(rows, seq_ids)[0]
+
+    def _static(self, rows: Sequence[Sequence[int]]):
         """One call for up to ``batch`` rows (padded to ``batch``), row r written to cache row r."""
         padded = list(rows) + [rows[0]] * (self.max_batch - len(rows))
-        return self._context(padded, torch.arange(self.max_batch))[: len(rows)]
+        logits, tokens = self._call(padded, torch.arange(self.max_batch))
+        return logits[: len(rows)], None if tokens is None else tokens[: len(rows)]
 
-    def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int = 0) -> torch.Tensor:
-        """Last-token logits ``[n, V]``: one call per prompt into its slot (continuous batching), or one call for
-        the whole group into slots ``0..n-1`` (static batching)."""
+    def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int = 0):
+        """Last-token logits ``[n, V]`` (on-device sampling: a :class:`StepOutput` of the chosen ids): one call per
+        prompt into its slot (continuous batching), or one call for the whole group into slots ``0..n-1``."""
         if self.continuous:
-            out = [self._context([row], torch.tensor([r]))[0] for row, r in zip(prompts, slots)]
+            calls = [self._call([row], torch.tensor([r])) for row, r in zip(prompts, slots)]
+            logits = [c[0][0] for c in calls]
+            tokens = None if self.odsc is None else torch.cat([c[1][:1] for c in calls])
         else:
             if slots != list(range(len(prompts))):
                 raise EngineInputError(f"static batching prefills a whole group into slots 0..n-1, got {slots}")
-            out = self._static(prompts)
-        return torch.stack([x[-1] for x in out])
+            logits, tokens = self._static(prompts)
+        last = None if logits[0] is None else torch.stack([x[-1] for x in logits])
+        return last if self.odsc is None else StepOutput(logits=last, token_ids=tokens)
 
     @torch.no_grad()
     def decode(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
@@ -152,8 +189,9 @@ class NeuronProvider:
         0: prefill). Hook for on-device sampling: return a :class:`minimax_m3.engine.StepOutput` with token ids."""
         feed, pos = torch.zeros(self.max_batch, dtype=torch.long), torch.ones(self.max_batch, dtype=torch.long)
         feed[slots], pos[slots] = torch.tensor(tokens), torch.tensor(positions)
-        out = self.app(input_ids=feed.view(-1, 1), position_ids=pos.view(-1, 1), seq_ids=torch.arange(self.max_batch))
-        return out.logits[:, -1].float()[slots]
+        out = self.app(input_ids=feed.view(-1, 1), position_ids=pos.view(-1, 1), seq_ids=torch.arange(self.max_batch),
+                       **self._sampling_params(self.max_batch))
+        return self._step(out, slots)
 
     def prefill_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Every position's logits: one prefill per prompt (per group with static batching) on a
@@ -163,7 +201,7 @@ class NeuronProvider:
                                    "build with prefill_all_logits=True (minimax-m3 compile --all-logits)")
         if self.continuous:
             return [self._context([p], torch.tensor([0]))[0] for p in prompts]
-        return self._static(prompts)
+        return self._static(prompts)[0]
 
 
 class NeuronEngine(Engine):
@@ -191,6 +229,8 @@ def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
         kw.update(logical_nc_config=spec.lnc, save_sharded_checkpoint=True, attn_kernel_enabled=False)
     if spec.weights == "fp8":  # NxD's quantized routed experts; the port's state dict then carries e4m3 + .scale
         kw.update(fp8_experts.neuron_config_kwargs(), quantized_checkpoints_path=str(spec.model))
+    if spec.on_device_sampling:  # seeded draws among NxDI's global top-256; only token ids leave the device
+        kw.update(on_device_sampling_config=sampling.on_device_sampling_config())
     kw.update(extra)
     return build_neuron_config(**kw)
 
