@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import sharding
 from ._atomic import write_atomic
 from .config import ConfigError, M3Config
 from .errors import M3Error
@@ -148,8 +149,8 @@ class EngineSpec:
         if s.max_context_len > s.max_seq_len:
             out.append(f"max_context_len {s.max_context_len} exceeds max_seq_len {s.max_seq_len}: a prompt must fit "
                        "the cache (lower --max-context-len or raise --max-seq-len)")
-        if min(s.tp, s.ep) >= 1 and (s.ep > s.tp or s.tp % s.ep):
-            out.append(f"ep {s.ep} must divide tp {s.tp} (expert parallelism splits the tensor-parallel ranks)")
+        if min(s.tp, s.ep) >= 1:
+            out += sharding.degree_problems(s.tp, s.ep)
         if s.backend == "reference":
             out += s._reference_problems()
         if neuron:
@@ -225,14 +226,7 @@ class EngineSpec:
         return out
 
     def _layout_problems(self, c: M3Config) -> list[str]:
-        out = []
-        if c.num_heads % self.tp:
-            out.append(f"tp {self.tp} does not divide the {c.num_heads} attention heads")
-        g = c.num_kv_heads
-        if self.tp % g and g % self.tp:
-            out.append(f"tp {self.tp} and {g} KV heads: one must divide the other")
-        if c.num_experts % self.ep:
-            out.append(f"ep {self.ep} does not divide the {c.num_experts} experts")
+        out = sharding.model_problems(c, self.tp, self.ep, even_vocab=self.backend == "reference")
         if self.max_seq_len > c.max_position_embeddings:
             out.append(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                        f"{c.max_position_embeddings}")

@@ -122,6 +122,6 @@ def test_bad_layouts_fail_before_tracing_with_every_problem(bad, tmp_path, tiny_
     assert not out.exists()
     expected = {"model": ["config.json not found"],
                 "bucket": ["context buckets [512]", "token-generation buckets [1024]"],
-                "split": ["unsupported TP/EP split", "KV heads", "vocabulary 512 is not a multiple of --tp 3"]}[bad]
+                "split": ["ep 2 must divide tp 3", "KV heads", "tp 3 does not divide the vocabulary 512"]}[bad]
     for text in expected:
         assert text in p.stderr, (text, p.stderr)

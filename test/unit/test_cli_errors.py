@@ -58,7 +58,7 @@ def test_generate_prompt_too_long(ckpt, capsys):
 
 def test_a_spec_the_backend_cannot_run_lists_every_problem(ckpt, capsys):
     err = _fails(capsys, ["generate", "--model", str(ckpt), "--prompt-ids", "1", "--tp", "3", "--lnc", "2",
-                          "--context-buckets", "128"], "engine spec (--backend reference): 5 problem(s)")
+                          "--context-buckets", "128"], "engine spec (--backend reference): 9 problem(s)")
     assert "lnc applies to the neuron backend only" in err and "tp 3 does not divide the 8 attention heads" in err
     _fails(capsys, ["compile", "--backend", "reference", "--model", str(ckpt)],
            "compile builds the neuron backends (--backend neuron or neuron-cpu), not reference")

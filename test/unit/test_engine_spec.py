@@ -61,7 +61,8 @@ def test_every_problem_is_listed_at_once(monkeypatch):
             "token buckets [100, 500]: NxDI's CPU mode runs one decode module",
             "backend neuron-cpu needs NxD Inference importable: set NXDI_SRC and NXD_SRC",
             "token-generation buckets [100, 500] must be multiples of index_block_size 16",
-            "tp 3 does not divide the 8 attention heads", "tp 3 and 2 KV heads: one must divide the other"]
+            "tp 3 does not divide the 8 attention heads", "tp 3 and 2 KV heads: one must divide the other",
+            "tp 3 does not divide dense_intermediate_size", "tp 3 does not divide shared_intermediate_size"]
     assert len(problems) == len(want), problems
     for w, p in zip(want, problems):
         assert p.startswith(w), (w, p)

@@ -26,7 +26,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = "minimax_m3"
 LEAVES = {"errors", "_atomic"}
-UNIT_OF = {"spec": "engine", "_storage_base": "storage", "_s3": "storage"}
+UNIT_OF = {"spec": "engine", "sharding": "config", "_storage_base": "storage", "_s3": "storage"}
 MAY_IMPORT = {  # unit -> the units below it (ARCHITECTURE.md, "Packages"); closed transitively by _allowed()
     "config": set(),
     "storage": set(),

@@ -95,10 +95,11 @@ def test_ranks_together_hold_every_expert_weight_exactly_once(world, ep):
 def test_plan_rejects_degrees_that_do_not_fit():
     with pytest.raises(ValueError) as err:
         ShardPlan(world=3).check(TINY)
-    assert "8 attention heads do not split over 3 ranks" in str(err.value)
-    assert "2 KV heads neither split over nor replicate evenly to 3 ranks" in str(err.value)
-    with pytest.raises(ValueError, match="ep=3 does not divide world size 4"):
+    assert "tp 3 does not divide the 8 attention heads" in str(err.value)
+    assert "tp 3 and 2 KV heads: one must divide the other" in str(err.value)
+    assert "tp 3 does not divide the vocabulary 512" in str(err.value)  # the reference splits it evenly
+    with pytest.raises(ValueError, match="ep 3 must divide tp 4"):
         ShardPlan(world=4, ep=3).check(TINY)
-    with pytest.raises(ValueError, match="8 experts do not split into ep=16"):
+    with pytest.raises(ValueError, match="ep 16 does not divide the 8 experts"):
         ShardPlan(world=16, ep=16).check(TINY.replace(num_heads=16, vocab_size=512))
     ShardPlan(world=64, rank=5, ep=64).check(M3)  # the NxDI contrib's TP64 / EP64 layout fits

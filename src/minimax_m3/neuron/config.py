@@ -15,6 +15,7 @@ import torch
 from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig
 from neuronx_distributed_inference.modules.autobucketing import generate_buckets_for_tkg
 
+from .. import sharding
 from ..config import M3Config
 
 log = logging.getLogger(__name__)
@@ -177,10 +178,8 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
             problems.append("hybrid_sharding_config shifts NxD's up clamp twice (+2); not supported")
         if nc.cp_degree > 1 or nc.attention_dp_degree > 1:
             problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
-        tp, g = nc.tp_degree, c.num_kv_heads
-        if not (tp % g == 0 or g % tp == 0):
-            problems.append(f"tp_degree {tp} and num_kv_heads {g}: one must divide the other "
-                            "(each rank needs whole KV groups, one index head per KV head)")
+        tp = nc.tp_degree
+        problems += sharding.model_problems(c, tp, nc.moe_ep_degree)
         tkg = [b[-1] if isinstance(b, list) else b for b in generate_buckets_for_tkg(self)]
         if any(c.sparse_layers) and any(b % c.index_block_size for b in tkg):
             problems.append(f"token-generation buckets {tkg} must be multiples of index_block_size "
@@ -190,8 +189,6 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         if nc.moe_tp_degree * nc.moe_ep_degree != tp:
             problems.append(f"moe_tp_degree {nc.moe_tp_degree} x moe_ep_degree {nc.moe_ep_degree} must equal "
                             f"tp_degree {tp} (vLLM's --tensor-parallel-size)")
-        if c.num_experts % nc.moe_ep_degree:
-            problems.append(f"moe_ep_degree {nc.moe_ep_degree} must divide the {c.num_experts} experts")
         if problems:
             raise ValueError("MiniMax-M3 NxDI config: " + "; ".join(problems))
 

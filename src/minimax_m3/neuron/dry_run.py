@@ -22,6 +22,7 @@ import json
 import os
 from pathlib import Path
 
+from .. import sharding
 from .._atomic import write_atomic
 from ..config import ConfigError, M3Config
 
@@ -31,8 +32,6 @@ ROLES = {0: "input", 1: "state", 2: "weight"}  # metaneff MetaTensor.Type: USER_
 def check_layout(model: str | None, tp: int, ep: int, lnc: int, batch: int, seq_len: int,
                  context_buckets: list[int], token_buckets: list[int]) -> M3Config:
     """Every reason the port cannot trace this layout, in one :class:`ConfigError`; else the model config."""
-    from .plan import PlanError, weight_bytes
-
     problems: list[str] = []
     config = None
     if not model:
@@ -55,16 +54,8 @@ def check_layout(model: str | None, tp: int, ep: int, lnc: int, batch: int, seq_
         if too_long:
             problems.append(f"{what} buckets {too_long} exceed the cache (--seq-len {seq_len}): a bucket larger than "
                             "the cache cannot be traced; drop them or raise --seq-len")
-    if config is not None and min(tp, ep) >= 1:
-        try:
-            weight_bytes(config, tp, ep)
-        except PlanError as exc:
-            problems.append(f"unsupported TP/EP split: {exc}")
-        g = config.num_kv_heads
-        if tp % g and g % tp:
-            problems.append(f"--tp {tp} and {g} KV heads: one must divide the other")
-        if config.vocab_size % tp:
-            problems.append(f"vocabulary {config.vocab_size} is not a multiple of --tp {tp}")
+    if config is not None and min(tp, ep) >= 1:  # the graph harness shards the vocabulary in equal slices
+        problems += sharding.layout_problems(config, tp, ep, even_vocab=True)
     if problems:
         raise ConfigError(problems, source="compile --dry-run")
     return config

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from .. import sharding
 from ..config import M3Config
 from ..errors import M3Error
 
@@ -74,28 +75,24 @@ class MemoryPlan:
         return self.total_bytes <= self.hbm_bytes
 
 
-def _heads_per_rank(heads: int, tp: int, what: str) -> int:
-    """Heads split over TP, or replicated up to TP (one per rank) when there are fewer heads than ranks."""
-    if heads >= tp:
-        if heads % tp:
-            raise PlanError(f"{what}: {heads} heads do not split over tp={tp}")
-        return heads // tp
-    if tp % heads:
-        raise PlanError(f"{what}: {heads} heads cannot be replicated evenly to tp={tp}")
-    return 1
+def _heads(c: M3Config, heads: int, tp: int) -> int:
+    """Heads per rank (``sharding.heads_per_rank``); a split that does not fit is one PlanError with every problem."""
+    n = sharding.heads_per_rank(heads, tp)
+    if not n:
+        raise PlanError(sharding.model_problems(c, tp, 1) or [f"{heads} heads do not fit tp {tp}"])
+    return n
 
 
 def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[int, dict[str, int]]:
     """Per-rank weight bytes and their breakdown."""
-    if tp % ep or c.num_experts % ep:
-        raise PlanError(f"ep={ep} must divide tp={tp} and num_experts={c.num_experts}")
-    moe_tp = tp // ep
-    if c.intermediate_size % moe_tp or c.shared_intermediate_size % tp or c.dense_intermediate_size % tp:
-        raise PlanError(f"MLP widths must split over tp={tp} (experts over moe_tp={moe_tp})")
+    problems = sharding.layout_problems(c, tp, ep)
+    if problems:
+        raise PlanError(problems)
+    moe_tp = sharding.moe_tp(tp, ep)
     h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
-    q = _heads_per_rank(c.num_heads, tp, "query heads")
-    kv = _heads_per_rank(c.num_kv_heads, tp, "KV heads")
-    iq = _heads_per_rank(c.index_heads, tp, "index heads")
+    q = sharding.heads_per_rank(c.num_heads, tp)
+    kv = sharding.heads_per_rank(c.num_kv_heads, tp)
+    iq = sharding.heads_per_rank(c.index_heads, tp)
     n_moe = sum(c.moe_layers)
     n_sparse = sum(c.sparse_layers)
     vocab = -(-c.vocab_size // tp) * tp
@@ -127,9 +124,9 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     ctx_batch = 1 if ctx_batch is None else ctx_batch  # what NeuronEngine runs: one request per prefill
     w, _ = weight_bytes(c, tp, ep, weights)
     h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
-    q = _heads_per_rank(c.num_heads, tp, "query heads")
-    kv = _heads_per_rank(c.num_kv_heads, tp, "KV heads")
-    iq = _heads_per_rank(c.index_heads, tp, "index heads")
+    q = _heads(c, c.num_heads, tp)
+    kv = _heads(c, c.num_kv_heads, tp)
+    iq = _heads(c, c.index_heads, tp)
     cache_len = -(-seq // c.index_block_size) * c.index_block_size
     kvb = BF16 if kv_dtype == "bf16" else 1
     kv_cache = batch * cache_len * c.num_layers * 2 * kv * d * kvb
@@ -187,7 +184,7 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     parts["embedding + lm_head"] = (vocab_rank + min(batch, vocab_rank)) * c.hidden_size * dtype_bytes
     parts["routed experts"] = parts["routed experts"] * min(local, batch * c.top_k) // local
     kvb = dtype_bytes if kv_dtype == "bf16" else 1
-    kv = _heads_per_rank(c.num_kv_heads, tp, "KV heads")
+    kv = _heads(c, c.num_kv_heads, tp)
     n_sparse = sum(c.sparse_layers)
     per_token_kv = kv * c.head_dim * 2 * kvb
     return {
@@ -216,9 +213,9 @@ def prefill_flops(c: M3Config, tp: int, ep: int, batch: int, seq: int) -> dict[s
       router (every rank), and the LM head for the last token of each sequence.
     """
     h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
-    q = _heads_per_rank(c.num_heads, tp, "query heads")
-    kv = _heads_per_rank(c.num_kv_heads, tp, "KV heads")
-    iq = _heads_per_rank(c.index_heads, tp, "index heads")
+    q = _heads(c, c.num_heads, tp)
+    kv = _heads(c, c.num_kv_heads, tp)
+    iq = _heads(c, c.index_heads, tp)
     n_sparse, n_moe = sum(c.sparse_layers), sum(c.moe_layers)
     t = batch * seq
     keys = n_sparse * _causal_keys(seq, c.index_topk * c.index_block_size) + (c.num_layers - n_sparse) * (

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .. import sharding
 from ..config import M3Config
 
 
@@ -87,26 +88,10 @@ class ShardPlan:
         return range(self.rank * n, (self.rank + 1) * n)
 
     def check(self, c: M3Config) -> None:
-        """Raise one ValueError listing every degree that does not fit the model."""
-        w, p = self.world, []
-        if not 0 <= self.rank < w:
-            p.append(f"rank {self.rank} outside world size {w}")
-        if w % self.ep:
-            p.append(f"ep={self.ep} does not divide world size {w}")
-        if c.num_heads % w:
-            p.append(f"{c.num_heads} attention heads do not split over {w} ranks")
-        if c.num_kv_heads % w and w % c.num_kv_heads:
-            p.append(f"{c.num_kv_heads} KV heads neither split over nor replicate evenly to {w} ranks")
-        if c.vocab_size % w:
-            p.append(f"vocabulary {c.vocab_size} does not split over {w} ranks")
-        for name, size in (("dense_intermediate_size", c.dense_intermediate_size),
-                           ("shared_intermediate_size", c.shared_intermediate_size)):
-            if size % w:
-                p.append(f"{name}={size} does not split over {w} ranks")
-        if not p and c.num_experts % self.ep:
-            p.append(f"{c.num_experts} experts do not split into ep={self.ep} groups")
-        if not p and c.intermediate_size % self.moe_tp:
-            p.append(f"intermediate_size={c.intermediate_size} does not split over moe_tp={self.moe_tp} ranks")
+        """Raise one ValueError listing every degree that does not fit the model (``sharding``'s rules; the
+        reference splits the vocabulary in equal slices)."""
+        p = [] if 0 <= self.rank < self.world else [f"rank {self.rank} outside world size {self.world}"]
+        p += sharding.layout_problems(c, self.world, self.ep, even_vocab=True)
         if p:
             raise ValueError("sharding plan does not fit the model: " + "; ".join(p))
 

@@ -1,0 +1,69 @@
+"""The sharding arithmetic of MiniMax-M3: what divides what when the model is split over ``tp`` ranks, ``ep`` of
+them expert-parallel groups. The one home of these rules, used by the reference backend's ``ShardPlan``, the
+engine spec, the NxDI config's validation, the dry run's layout check and the capacity planner.
+
+Layout (NxD's, which the reference follows): query heads split over the ``tp`` ranks; KV heads (and the index
+heads, one per KV head) split when there are at least ``tp`` of them, else each is replicated on ``tp / heads``
+ranks; ``ep`` groups of ``moe_tp = tp / ep`` ranks each hold ``num_experts / ep`` experts, whose intermediate width
+splits over the group's ``moe_tp`` ranks; dense MLPs and the shared expert split over all ``tp`` ranks.
+"""
+
+from __future__ import annotations
+
+from .config import M3Config
+
+
+def heads_per_rank(heads: int, tp: int) -> int:
+    """Heads a rank holds: a slice of ``heads / tp``, or one replicated head when there are fewer heads than
+    ranks; 0 when neither divides the other (see :func:`layout_problems`)."""
+    if heads >= tp:
+        return 0 if heads % tp else heads // tp
+    return 0 if tp % heads else 1
+
+
+def moe_tp(tp: int, ep: int) -> int:
+    """Ranks of one expert-parallel group (they split each expert's intermediate width)."""
+    return tp // ep
+
+
+def experts_per_rank(c: M3Config, ep: int) -> int:
+    return c.num_experts // ep
+
+
+def degree_problems(tp: int, ep: int) -> list[str]:
+    """Rules on the degrees alone (no model needed)."""
+    if min(tp, ep) < 1:
+        return [f"tp {tp} and ep {ep} must be >= 1"]
+    if ep > tp or tp % ep:
+        return [f"ep {ep} must divide tp {tp} (expert parallelism splits the tensor-parallel ranks)"]
+    return []
+
+
+def model_problems(c: M3Config, tp: int, ep: int, even_vocab: bool = False) -> list[str]:
+    """Every way the model does not split over ``tp`` ranks in ``ep`` groups, one line each.
+    ``even_vocab``: the backend splits the vocabulary in equal slices without padding (the reference backend)."""
+    out = []
+    if min(tp, ep) < 1:
+        return out
+    if c.num_heads % tp:
+        out.append(f"tp {tp} does not divide the {c.num_heads} attention heads")
+    if not heads_per_rank(c.num_kv_heads, tp):
+        out.append(f"tp {tp} and {c.num_kv_heads} KV heads: one must divide the other (each rank needs whole KV "
+                   "groups, one index head per KV head)")
+    for name, size in (("dense_intermediate_size", c.dense_intermediate_size),
+                       ("shared_intermediate_size", c.shared_intermediate_size)):
+        if size % tp:
+            out.append(f"tp {tp} does not divide {name} {size}")
+    if even_vocab and c.vocab_size % tp:
+        out.append(f"tp {tp} does not divide the vocabulary {c.vocab_size}")
+    if c.num_experts % ep:
+        out.append(f"ep {ep} does not divide the {c.num_experts} experts")
+    if not degree_problems(tp, ep) and c.intermediate_size % moe_tp(tp, ep):
+        out.append(f"tp/ep = {moe_tp(tp, ep)} ranks per expert group do not divide intermediate_size "
+                   f"{c.intermediate_size}")
+    return out
+
+
+def layout_problems(c: M3Config, tp: int, ep: int, even_vocab: bool = False) -> list[str]:
+    """:func:`degree_problems` and :func:`model_problems` together."""
+    return degree_problems(tp, ep) + model_problems(c, tp, ep, even_vocab)
