@@ -26,10 +26,6 @@ def moe_tp(tp: int, ep: int) -> int:
     return tp // ep
 
 
-def experts_per_rank(c: M3Config, ep: int) -> int:
-    return c.num_experts // ep
-
-
 def degree_problems(tp: int, ep: int) -> list[str]:
     """Rules on the degrees alone (no model needed)."""
     if min(tp, ep) < 1:

@@ -160,9 +160,6 @@ class NeuronProvider:
             return list(logits), tokens
         return [logits[r, : len(row)] for r, row in enumerate(rows)], tokens
 
-    def _context(self, rows: Sequence[Sequence[int]], seq_ids: torch.Tensor) -> list[torch.Tensor]:
-        return self._call(rows, seq_ids)[0]
-
     def _static(self, rows: Sequence[Sequence[int]]):
         """One call for up to ``batch`` rows (padded to ``batch``), row r written to cache row r."""
         padded = list(rows) + [rows[0]] * (self.max_batch - len(rows))
@@ -200,7 +197,7 @@ class NeuronProvider:
             raise EngineInputError("this build's prefill returns the last position only; score prompts on a "
                                    "build with prefill_all_logits=True (minimax-m3 compile --all-logits)")
         if self.continuous:
-            return [self._context([p], torch.tensor([0]))[0] for p in prompts]
+            return [self._call([p], torch.tensor([0]))[0][0] for p in prompts]
         return self._static(prompts)[0]
 
 
