@@ -58,3 +58,25 @@ def test_entry_point_names_the_register_function():
     from minimax_m3.neuron import vllm_plugin
 
     assert callable(vllm_plugin.register)
+
+
+def test_kv_connector_and_kv_offloading_are_one_error_naming_the_flag():
+    """The config hook the plugin gives vLLM (``MODELS_CONFIG_MAP``) on vLLM's config attributes (vLLM 0.13 names:
+    ``kv_transfer_config.kv_connector``, ``cache_config.kv_offloading_backend``); through vLLM itself in
+    ``test_vllm_smoke.py``."""
+    import pytest
+    from types import SimpleNamespace as NS
+
+    from minimax_m3.neuron.vllm_plugin import VllmConfigChecks
+
+    plain = NS(kv_transfer_config=None, cache_config=NS(kv_offloading_backend=None))
+    VllmConfigChecks.verify_and_update_config(plain)  # nothing to refuse
+    VllmConfigChecks.verify_and_update_config(NS(kv_transfer_config=NS(kv_connector=None),
+                                                 cache_config=NS(kv_offloading_backend=None)))
+    for cfg, flag in ((NS(kv_transfer_config=NS(kv_connector="NixlConnector"), cache_config=plain.cache_config),
+                       "--kv-transfer-config"),
+                      (NS(kv_transfer_config=None, cache_config=NS(kv_offloading_backend="native")),
+                       "--kv-offloading-backend")):
+        with pytest.raises(ValueError) as e:
+            VllmConfigChecks.verify_and_update_config(cfg)
+        assert str(e.value).count("MiniMax-M3 cannot be served") == 1 and flag in str(e.value)

@@ -146,6 +146,18 @@ def test_prefix_caching_is_refused_at_start_up_naming_the_flag(model):
     assert "--no-enable-prefix-caching" in text
 
 
+def test_kv_connector_is_refused_at_start_up_naming_the_flag(model):
+    """vLLM builds its config (the plugin's ``MODELS_CONFIG_MAP`` hook) before any engine starts."""
+    import vllm
+    from vllm.config import KVTransferConfig
+
+    kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    with pytest.raises(Exception) as e:
+        vllm.LLM(**engine_args(model, kv_transfer_config=kv))
+    text = "".join(str(x) for x in _chain(e.value))
+    assert "--kv-transfer-config" in text and "MiniMax-M3" in text
+
+
 def _chain(exc):
     while exc is not None:
         yield exc

@@ -15,7 +15,9 @@ vLLM and the Neuron SDK importable it
 
 Without vLLM or the SDK it does nothing (and imports neither). What vLLM may ask for that the port cannot do
 (prefix caching, chunked prefill, speculation, buckets below --max-model-len, a bad TP/EP split) is refused when
-vllm-neuron builds the NxDI config at start-up (:mod:`minimax_m3.neuron.config`), with the vLLM flag to change.
+vllm-neuron builds the NxDI config at start-up (:mod:`minimax_m3.neuron.config`), with the vLLM flag to change. A KV
+connector never reaches that config, so :class:`VllmConfigChecks` refuses it earlier, when vLLM builds its own config
+(vLLM's per-architecture hook ``MODELS_CONFIG_MAP``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def register() -> None:
         return
     register_config()
     register_architectures()
+    register_config_checks()
     register_nxdi_model()
 
 
@@ -79,6 +82,44 @@ def register_architectures() -> None:
     for arch in ARCHITECTURES:
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, VllmArchitectureStub)
+
+
+def register_config_checks() -> None:
+    """:class:`VllmConfigChecks` as vLLM's config hook for the M3 architectures (``VllmConfig.__post_init__`` ->
+    ``try_verify_and_update_config``: every process that builds a vLLM config, before any engine starts)."""
+    try:
+        from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    except ImportError:  # a vLLM without the hook: the connector then fails later, in vllm-neuron
+        log.warning("minimax_m3 vLLM plugin: this vLLM has no MODELS_CONFIG_MAP; a KV connector is not refused")
+        return
+    for arch in ARCHITECTURES:
+        MODELS_CONFIG_MAP.setdefault(arch, VllmConfigChecks)
+
+
+class VllmConfigChecks:
+    """What vLLM's own config asks for that the port cannot serve and that never reaches the neuron config
+    vllm-neuron builds (:mod:`minimax_m3.neuron.config` refuses the rest there): a KV connector (disaggregated prefill
+    or KV offloading). vllm-neuron's connector path hands the connector K/V pairs per layer; the port's caches add an
+    index-K cache per sparse layer, which a connector would neither save nor restore."""
+
+    @staticmethod
+    def problems(vllm_config) -> list[str]:
+        out = []
+        kv = getattr(vllm_config, "kv_transfer_config", None)
+        if kv is not None and getattr(kv, "kv_connector", None):
+            out.append(f"a KV connector ({kv.kv_connector}): the port's sparse layers keep an index-K cache besides "
+                       "K/V, which vllm-neuron's connector path does not move; remove --kv-transfer-config")
+        backend = getattr(getattr(vllm_config, "cache_config", None), "kv_offloading_backend", None)
+        if backend is not None:
+            out.append(f"KV offloading ({backend}) is a KV connector (same reason); remove --kv-offloading-backend "
+                       "and --kv-offloading-size")
+        return out
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        problems = VllmConfigChecks.problems(vllm_config)
+        if problems:
+            raise ValueError("MiniMax-M3 cannot be served with this configuration: " + "; ".join(problems))
 
 
 def register_config() -> None:
