@@ -34,6 +34,7 @@ from neuronx_distributed.utils import cpu_mode
 from torch import nn
 
 from .. import ops
+from ..ops.prefill import PREFILL_CHUNKS, PREFILL_MAX_CHUNK
 from .layers import GemmaNorm, PartialRope
 
 
@@ -72,8 +73,8 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         self.m3, self.layer_idx = c, layer_idx
         self.sparse = bool(c.sparse_layers[layer_idx])
         self.scale = c.softmax_scale
-        self.chunks = getattr(config, "prefill_chunks", 8)
-        self.max_chunk = getattr(config, "prefill_max_chunk", 1024)
+        self.chunks = getattr(config, "prefill_chunks", PREFILL_CHUNKS)  # the rule `minimax-m3 plan` models
+        self.max_chunk = getattr(config, "prefill_max_chunk", PREFILL_MAX_CHUNK)
         self.selection = ops.Selection.of(c)
         self._index = None
         if self.sparse:

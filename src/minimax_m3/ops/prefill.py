@@ -22,10 +22,17 @@ from .attention import causal_keep, masked_attention
 from .indexer import index_block_scores, select_blocks
 
 
+# The chunk rule the Neuron port runs and ``minimax-m3 plan`` models (its one home): up to PREFILL_CHUNKS x
+# PREFILL_MAX_CHUNK tokens a prefill takes PREFILL_CHUNKS chunks, longer ones chunks of PREFILL_MAX_CHUNK queries
+PREFILL_CHUNKS = 8
+PREFILL_MAX_CHUNK = 1024
+
+
 def chunk_for(seq_len: int, chunks: int, block_size: int, max_chunk: int | None = None) -> int:
     """Queries per chunk so that a prefill of ``seq_len`` tokens takes at most ``chunks`` chunks (a graph whose size
     does not grow with the prompt), rounded up to whole blocks; ``max_chunk`` caps it (bounding the gathered K/V of
-    one chunk), so prompts longer than ``chunks x max_chunk`` take more chunks."""
+    one chunk), so prompts longer than ``chunks x max_chunk`` take more chunks. The port passes
+    ``PREFILL_CHUNKS`` and ``PREFILL_MAX_CHUNK`` unless its config sets ``prefill_chunks`` / ``prefill_max_chunk``."""
     c = -(-seq_len // max(1, chunks))
     if max_chunk:
         c = min(c, max_chunk)
