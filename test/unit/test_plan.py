@@ -3,8 +3,8 @@
 import pytest
 
 from minimax_m3.config import M3Config
-from minimax_m3.neuron.plan import (GIB, PlanError, decode_floor_ms, decode_minimum_bytes, main, plan, prefill_flops,
-                                    weight_bytes)
+from minimax_m3.neuron.plan import (GIB, PlanError, attention_chunk_bytes, decode_floor_ms, decode_minimum_bytes, main,
+                                    plan, prefill_chunk, prefill_flops, weight_bytes)
 
 M3 = M3Config.preset("m3")
 
@@ -59,16 +59,48 @@ def test_caches_by_hand():
 
 
 def test_prefill_working_memory_by_hand():
-    p = plan(M3, 64, 64, batch=1, seq=2048, tile=256, moe_block=512)
+    p = plan(M3, 64, 64, batch=1, seq=2048, moe_block=512)
     t = 2048
     hidden = 4 * t * 6144 * 2
     proj = t * (2 + 2) * 128 * 2 + t * 2 * 128 * 2
-    tile = 256 * 2048 * (2 * 4 + 4 + 1)
+    # 8 chunks of 256 queries; 2048 tokens are 16 blocks <= top-16, so every chunk is dense causal: fp32 scores and
+    # probabilities of the rank's one query head over 2048 keys, and the boolean mask
+    assert p.chunk == 256
+    attention = 256 * 2048 * 2 * 4 + 256 * 2048
     router = 2 * t * 128 * 4
     rows = (t * 4 // 512 + 2 - 1) * 512  # 17 blocks of 512 rows
-    moe = rows * (2 * 6144 + 2 * 3072) * 2
+    moe = router + rows * (2 * 6144 + 2 * 3072) * 2
+    assert dict(p.phases) == {"attention chunk": attention, "MoE": moe} and moe > attention
     logits = 3126 * 4
-    assert p.prefill_bytes == hidden + proj + tile + router + moe + logits == 433_598_680
+    assert p.prefill_bytes == hidden + proj + moe + logits == 426_782_936
+
+
+def test_prefill_attention_chunk_at_32k_by_hand():
+    # the port's chunk at 32K: 8 chunks would be 4096 queries, capped at 1024 (32 chunks)
+    assert prefill_chunk(M3, 32768) == 1024 and prefill_chunk(M3, 8192) == 1024
+    assert prefill_chunk(M3, 6000) == 768 and prefill_chunk(M3, 1000) == 128  # ceil(S / 8) in whole 128-token blocks
+    a = attention_chunk_bytes(M3, 64, 32768)
+    # rank 0 of TP 64: 1 query head, 1 KV head, 1 index head; the last chunk's 1024 queries each gather 16 blocks
+    # of 128 keys x 128 dims of K and of V (bf16), score them (fp32 scores + probabilities), and the indexer
+    # scores the chunk against all 32768 keys (fp32), pools them to 256 blocks (fp32) and keeps 16 ids (int64)
+    assert a == {
+        "gathered K and V": 2 * 1024 * 16 * 128 * 128 * 2,  # 1 GiB
+        "scores and probabilities": 1024 * 16 * 128 * 2 * 4,
+        "index scores": 1024 * 32768 * 4,
+        "pooled block scores": 1024 * 256 * 4,
+        "selection": 1024 * 16 * 8,
+    }
+    assert sum(a.values()) == 1_225_916_416
+    # the dense layers' chunk (1024 x 32768 fp32 scores + probabilities + mask) is smaller: the sparse one counts
+    assert sum(a.values()) > 1024 * 32768 * 9
+    p = plan(M3, 64, 64, batch=1, seq=32768)
+    moe = 2 * 32768 * 128 * 4 + (32768 * 4 // 512 + 1) * 512 * (2 * 6144 + 2 * 3072) * 2
+    assert dict(p.phases) == {"attention chunk": 1_225_916_416, "MoE": moe}
+    persistent = 4 * 32768 * 6144 * 2 + 32768 * 6 * 128 * 2 + 3126 * 4
+    assert p.prefill_bytes == persistent + max(moe, 1_225_916_416)
+    # a smaller cap is modelled as the port would run it: 512-query chunks gather half the K/V
+    assert attention_chunk_bytes(M3, 64, 32768, chunk=512)["gathered K and V"] == 2 ** 29
+    assert plan(M3, 64, 64, batch=1, seq=32768, max_chunk=512).chunk == 512
 
 
 def test_verdicts():
@@ -78,6 +110,9 @@ def test_verdicts():
     # ... and prefilling one sequence at a time (the engine's continuous batching, the default) fits
     assert plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1).fits
     assert plan(M3, 64, 64, batch=8, seq=8192) == plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1)
+    # issue 14's long-context shapes with the port's 1024-query chunks: 32K at batch 1 (0.63 GiB headroom) and 8K
+    # at batch 8 (continuous batching)
+    assert plan(M3, 64, 64, batch=1, seq=32768).fits
     # 1 x 128K in bf16: ~5.6 GiB of caches on top of ~12.9 GiB of weights and the reserve
     big = plan(M3, 64, 64, batch=1, seq=131072)
     assert big.kv_bytes + big.index_k_bytes == 131072 * (30_720 + 14_592)

@@ -17,10 +17,12 @@ NeuronCore; trn2.48xlarge at LNC=2 has 64 of them with 24 GiB HBM each), the byt
 * **prefill working memory**, the peak of one context-encoding pass of ``ctx_batch x seq`` tokens (``ctx_batch``
   1 by default: the neuron engine prefills one request per call, continuous batching at any batch; ``--ctx-batch
   B`` models static batching, ``continuous_batching=False``): hidden
-  states (4 live copies, replicated without sequence parallelism), this rank's projections, one query tile of
-  fp32 scores and probabilities over all keys (block-sparse prefill keeps memory O(tile x S), never O(S^2)),
-  router scores, and NxDI's blockwise-MoE buffers (``ceil(T k / block) + local_experts - 1`` blocks of
-  ``block`` rows: gathered tokens, gate/up, output), plus the prefill logits.
+  states (4 live copies, replicated without sequence parallelism), this rank's projections and the prefill
+  logits, plus the larger of the two phases a layer runs one after the other (:func:`prefill_phases`):
+  **attention**, one query chunk of exactly the port's prefill (``ops.prefill.chunk_for`` with the port's
+  ``PREFILL_CHUNKS`` / ``PREFILL_MAX_CHUNK``; memory O(chunk x S), never O(S^2)), and **MoE**, router scores and
+  NxDI's blockwise-MoE buffers (``ceil(T k / block) + local_experts - 1`` blocks of ``block`` rows: gathered
+  tokens, gate/up, output).
 * a **runtime reserve** (scratchpad, instructions, runtime; an assumption, 3 GiB unless told).
 
 It is arithmetic from the config, not a measurement: nothing here has run on Trainium. Pure Python/torch; it
@@ -35,10 +37,12 @@ from dataclasses import dataclass
 from .. import sharding
 from ..config import M3Config
 from ..errors import M3Error
+from ..ops.prefill import PREFILL_CHUNKS, PREFILL_MAX_CHUNK, chunk_for
 
 GIB = 1024 ** 3
 HBM_PER_RANK_GIB = 24.0  # trn2 at LNC=2: one logical core's share of HBM
 BF16, FP32 = 2, 4
+INT64 = 8  # block ids of the selection
 FP8 = 1  # e4m3 routed-expert weight; plus an fp32 scale per expert and output channel (checkpoint.fp8_experts)
 HBM_BYTES_PER_S = 725e9  # one logical core's share of trn2 HBM bandwidth at LNC=2 (docs/perf_anchors.md)
 SHARD_ON_I_MULTIPLE = 256  # NxDI SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP (pads I/moe_tp with shard-on-I kernels)
@@ -65,6 +69,8 @@ class MemoryPlan:
     reserve_bytes: int
     hbm_bytes: int
     notes: tuple[str, ...] = ()
+    chunk: int = 0  # queries per prefill chunk (what the port's attention runs at this length)
+    phases: tuple[tuple[str, int], ...] = ()  # prefill_phases(): attention chunk and MoE bytes, the larger counted
 
     @property
     def total_bytes(self) -> int:
@@ -113,14 +119,67 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[
     return sum(parts.values()), parts
 
 
+def prefill_chunk(c: M3Config, seq: int, chunks: int = PREFILL_CHUNKS, max_chunk: int = PREFILL_MAX_CHUNK) -> int:
+    """Queries per chunk of a ``seq``-token prefill: the port's own rule (``ops.prefill.chunk_for``)."""
+    return chunk_for(seq, chunks, c.index_block_size, max_chunk)
+
+
+def attention_chunk_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chunk: int | None = None
+                          ) -> dict[str, int]:
+    """Per-rank bytes one query chunk of the prefill creates (its last chunk, whose keys reach ``seq``), as
+    ``ops.prefill_step`` builds it, all counted live at once.
+
+    Sparse layers (when ``seq`` holds more than ``index_topk`` blocks; fewer and every chunk is dense causal):
+    the gathered K and V, ``chunk x topk x block x head_dim`` per KV head (bf16 each); the fp32 scores and
+    probabilities, ``chunk x topk x block`` per query head; the indexer's chunk-by-keys scores, ``chunk x S``
+    (keys padded to whole blocks) per index head in fp32; the pooled block scores ``chunk x S / block`` (fp32) and
+    the selection ``chunk x topk`` (int64). Dense layers (NxDI's chunked causal path, no flash kernel): fp32 scores
+    and probabilities ``chunk x S`` per query head and the boolean causal mask ``chunk x S``. Returns the terms
+    of the larger of the two (key "layer": "sparse" or "dense" says which)."""
+    chunk = prefill_chunk(c, seq) if chunk is None else chunk
+    b, bs, k = ctx_batch, c.index_block_size, c.index_topk
+    q, kv, iq = _heads(c, c.num_heads, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
+    nblk = -(-seq // bs)
+    dense = {"scores and probabilities": b * q * chunk * seq * 2 * FP32, "causal mask": b * chunk * seq}
+    if not any(c.sparse_layers) or nblk <= k:
+        return dense
+    sparse = {
+        "gathered K and V": 2 * b * kv * chunk * k * bs * c.head_dim * BF16,
+        "scores and probabilities": b * q * chunk * k * bs * 2 * FP32,
+        "index scores": b * iq * chunk * nblk * bs * FP32,
+        "pooled block scores": b * iq * chunk * nblk * FP32,
+        "selection": b * iq * chunk * k * INT64,
+    }
+    if all(c.sparse_layers) or sum(sparse.values()) >= sum(dense.values()):
+        return sparse
+    return dense
+
+
+def prefill_phases(c: M3Config, tp: int, ep: int, seq: int, ctx_batch: int = 1, chunk: int | None = None,
+                   moe_block: int = 512) -> dict[str, int]:
+    """Per-rank bytes of the two phases of a layer's prefill, which run one after the other (the MoE reads the
+    attention's output; the next layer's attention the MoE's), so only the larger is live: one attention chunk
+    (:func:`attention_chunk_bytes`; the chunks of a layer are assumed to run one at a time) and the MoE (fp32
+    router logits and scores, NxDI's blockwise buffers: tokens in, gate/up, out)."""
+    t = ctx_batch * seq
+    rows = (-(-t * c.top_k // moe_block) + c.num_experts // ep - 1) * moe_block
+    moe_tp = sharding.moe_tp(tp, ep)
+    return {
+        "attention chunk": sum(attention_chunk_bytes(c, tp, seq, ctx_batch, chunk).values()),
+        "MoE": 2 * t * c.num_experts * FP32 + rows * (2 * c.hidden_size + 2 * c.intermediate_size // moe_tp) * BF16,
+    }
+
+
 def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
-         ctx_batch: int | None = None, tile: int = 256, moe_block: int = 512, reserve_gib: float = 3.0,
-         hbm_gib: float = HBM_PER_RANK_GIB) -> MemoryPlan:
-    """Per-rank HBM for serving ``batch`` sequences of up to ``seq`` tokens on a ``tp`` x ``ep`` layout."""
+         ctx_batch: int | None = None, chunks: int = PREFILL_CHUNKS, max_chunk: int = PREFILL_MAX_CHUNK,
+         moe_block: int = 512, reserve_gib: float = 3.0, hbm_gib: float = HBM_PER_RANK_GIB) -> MemoryPlan:
+    """Per-rank HBM for serving ``batch`` sequences of up to ``seq`` tokens on a ``tp`` x ``ep`` layout; the
+    prefill's query chunk follows ``chunks`` / ``max_chunk`` (the port's ``prefill_chunks`` /
+    ``prefill_max_chunk``)."""
     if weights not in ("bf16", "fp8") or kv_dtype not in ("bf16", "fp8"):
         raise PlanError("weights and kv dtype are bf16 or fp8")
-    if min(tp, ep, batch, seq, tile, moe_block) < 1:
-        raise PlanError("tp, ep, batch, seq, tile and moe_block must be positive")
+    if min(tp, ep, batch, seq, chunks, max_chunk, moe_block) < 1:
+        raise PlanError("tp, ep, batch, seq, chunks, max_chunk and moe_block must be positive")
     ctx_batch = 1 if ctx_batch is None else ctx_batch  # what NeuronEngine runs: one request per prefill
     w, _ = weight_bytes(c, tp, ep, weights)
     h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
@@ -133,14 +192,13 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     index_k = batch * cache_len * sum(c.sparse_layers) * di * kvb
 
     t = ctx_batch * seq
-    moe_tp, local_experts = tp // ep, c.num_experts // ep
-    rows = (-(-t * c.top_k // moe_block) + local_experts - 1) * moe_block
+    moe_tp = tp // ep
+    chunk = prefill_chunk(c, seq, chunks, max_chunk)
+    phases = prefill_phases(c, tp, ep, seq, ctx_batch, chunk, moe_block)
     prefill = (
         4 * t * h * BF16  # residual, normed input, attention output, MLP output
         + t * (2 * q + 2 * kv) * d * BF16 + t * (iq + 1) * di * BF16  # q, k, v, attention out; index q, k
-        + ctx_batch * min(tile, seq) * seq * (2 * q * FP32 + iq * FP32 + kv)  # one tile: scores+probs, index, mask
-        + 2 * t * c.num_experts * FP32  # router logits and scores
-        + rows * (2 * h + 2 * c.intermediate_size // moe_tp) * BF16  # blockwise MoE: tokens in, gate/up, out
+        + max(phases.values())  # one attention chunk or the MoE, whichever is larger
         + ctx_batch * (-(-c.vocab_size // tp)) * FP32  # last-token logits
     )
     notes = []
@@ -151,7 +209,7 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     if tp > c.num_kv_heads:
         notes.append(f"each KV head is replicated on {tp // c.num_kv_heads} ranks and the index-K cache on all {tp}")
     return MemoryPlan(tp, ep, batch, seq, ctx_batch, weights, kv_dtype, w, kv_cache, index_k, prefill,
-                int(reserve_gib * GIB), int(hbm_gib * GIB), tuple(notes))
+                      int(reserve_gib * GIB), int(hbm_gib * GIB), tuple(notes), chunk, tuple(phases.items()))
 
 
 def _causal_keys(s: int, cap: int) -> int:
@@ -241,7 +299,9 @@ def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None)
     lines += [
         f"  KV cache             {gib(p.kv_bytes)}",
         f"  index-K cache        {gib(p.index_k_bytes)}",
-        f"  prefill working mem  {gib(p.prefill_bytes)}",
+        f"  prefill working mem  {gib(p.prefill_bytes)}  (activations + the larger of:)",
+        *(f"    {name + (f' ({p.chunk} queries)' if name == 'attention chunk' else ''):<30}{gib(n)}"
+          for name, n in p.phases),
         f"  runtime reserve      {gib(p.reserve_bytes)}  (assumed)",
         f"  total                {gib(p.total_bytes)}  of {p.hbm_bytes / GIB:.2f} GiB per logical core",
     ]

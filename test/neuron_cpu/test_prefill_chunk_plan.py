@@ -1,0 +1,43 @@
+"""The planner models the query chunk the port's attention really runs: a prefill through the NxDI port in CPU mode
+records the chunk each attention layer hands to ``ops.prefill_step``, and ``minimax-m3 plan`` must name the same
+one for that bucket (hand values: the tiny model's 16-token blocks, 8 chunks per prefill)."""
+
+import pytest
+
+from minimax_m3.config import M3Config
+from minimax_m3.engine import GenerationConfig
+from test.conftest import random_ids
+
+pytestmark = pytest.mark.neuron_cpu
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+
+    return str(write_synthetic(tmp_path_factory.mktemp("chunk") / "tiny", M3Config.preset("tiny"), seed=0))
+
+
+@pytest.mark.parametrize("prompt, bucket, chunk", [(100, 128, 16), (300, 512, 64)])
+def test_the_planner_names_the_chunk_the_port_runs(ckpt, monkeypatch, prompt, bucket, chunk):
+    from minimax_m3 import ops
+    from minimax_m3.backends import load_engine
+    from minimax_m3.neuron.plan import plan
+
+    from .plugin import neuron_cpu_engine_kwargs
+
+    seen = []
+    step = ops.prefill_step
+
+    def spy(q, k, v, scale, chunk_, *args, **kw):
+        seen.append((q.shape[2], chunk_))
+        return step(q, k, v, scale, chunk_, *args, **kw)
+
+    monkeypatch.setattr(ops, "prefill_step", spy)
+    kw = neuron_cpu_engine_kwargs(batch_size=1, max_seq_len=512)
+    eng = load_engine(ckpt, backend="neuron-cpu", **kw)
+    eng.generate([random_ids(prompt, seed=3)], GenerationConfig(max_new_tokens=1))
+    c = M3Config.preset("tiny")
+    assert seen and set(seen) == {(bucket, chunk)}, seen  # every layer: the bucket's length, one chunk size
+    tp = kw["tp_degree"]
+    assert plan(c, tp, tp, batch=1, seq=bucket).chunk == chunk  # 8 chunks of whole 16-token blocks
