@@ -10,6 +10,12 @@ kernel's FLOPs analytically (``minimax_m3.neuron.nki_cost``).
   shard-on-intermediate dynamic-while blockwise MoE kernel (``modules/moe/blockwise.py``
   ``_call_shard_on_intermediate_kernel``): returns the ``[T + 1, H]`` output (the padding row included; NxD slices
   ``[:T]``).
+* ``nkilib.core.attention.attention_cte.attention_cte``: the context-encoding flash-attention kernel NxDI's
+  ``NeuronAttentionBase.perform_prefill`` launches (``_flash_fwd_call_nki``, ``nki.jit(attention_cte)``) when
+  ``get_flash_attention_strategy`` picks a kernel: ``kernel[lnc](q, k, v, 1.0, causal_mask=..., tp_out=True, tp_q=True,
+  tp_k=True)`` (sharded, LNC 2) or ``kernel(...)`` (unsharded). Operands q ``[B*H, S, D]``, k and v ``[B*KV, S, D]``
+  (trn2: native GQA, no K/V replication; q already divided by NxDI's ``softmax_scale``); returns ``[B*H, D, S]``
+  with ``tp_out`` (else ``[B*H, S, D]``), in q's dtype (nki-library ``_check_input_and_return_shape``).
 """
 
 from __future__ import annotations
@@ -18,16 +24,21 @@ import json
 
 TARGET = "AwsNeuronCustomNativeKernel"
 SHARD_ON_I = "blockwise_mm_baseline_shard_intermediate_hybrid"
+ATTENTION_CTE = "attention_cte"
 
 
 class _Kernel:
-    """``kernel[grid](**kwargs)`` as NKI kernels are launched."""
+    """``kernel[grid](...)`` (SPMD launch) or ``kernel(...)`` as NKI kernels are launched; the stand-in gets
+    ``grid``."""
 
     def __init__(self, name, fn):
         self.name, self.fn = name, fn
 
     def __getitem__(self, grid):
-        return lambda **kwargs: self.fn(**kwargs)
+        return lambda *args, **kwargs: self.fn(*args, grid=grid, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, grid=None, **kwargs)
 
 
 def _custom_call(operands, out_shape, dtype, config: dict):
@@ -51,6 +62,30 @@ def shard_on_intermediate(*, conditions, hidden_states, expert_affinities_masked
     return _custom_call(operands, hidden_states.shape, hidden_states.dtype, config)
 
 
+def attention_cte(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=None, prior_used_len=None, sink=None,
+                  sliding_window=None, tp_q=True, tp_k=False, tp_out=False, cache_softmax=False, grid=None,
+                  cp_offset=None, global_cp_deg=None, bound_min=None, bound_max=None, **_):
+    extras = {"k_prior": k_prior, "v_prior": v_prior, "prior_used_len": prior_used_len, "sink": sink,
+              "sliding_window": sliding_window or None, "cache_softmax": cache_softmax or None, "cp_offset": cp_offset,
+              "global_cp_deg": global_cp_deg, "bound_min": bound_min, "bound_max": bound_max}
+    used = sorted(name for name, value in extras.items() if value is not None)
+    if used:
+        raise NotImplementedError(f"nki stand-in: attention_cte with {', '.join(used)} is not traced here")
+    bs, sq, d = q.shape if tp_q else (q.shape[0], q.shape[2], q.shape[1])
+    bs_kv, sk = k.shape[0], k.shape[1] if tp_k else k.shape[2]
+    want_k = (bs_kv, sk, d) if tp_k else (bs_kv, d, sk)
+    if tuple(k.shape) != want_k or tuple(v.shape) != (bs_kv, sk, d) or bs % bs_kv or d > 128:
+        raise ValueError(f"nki stand-in: attention_cte shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                         f"(tp_q={tp_q}, tp_k={tp_k}) break the kernel's contract")
+    config = {"nki_kernel": ATTENTION_CTE, "causal_mask": bool(causal_mask), "scale": float(scale), "tp_q": bool(tp_q),
+              "tp_k": bool(tp_k), "tp_out": bool(tp_out), "grid": None if grid is None else int(grid)}
+    return _custom_call([q, k, v], (bs, d, sq) if tp_out else (bs, sq, d), q.dtype, config)
+
+
+def _attention_cte(m):
+    m.attention_cte = _Kernel(ATTENTION_CTE, attention_cte)
+
+
 def _bwmm_shard_on_i(m):
     m.blockwise_mm_baseline_shard_intermediate_hybrid = _Kernel(SHARD_ON_I, shard_on_intermediate)
 
@@ -60,4 +95,5 @@ def _nki(m):
     m.jit = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
 
 
-VALUES = {"nki": _nki, "nkilib.core.moe.moe_cte.bwmm_shard_on_I": _bwmm_shard_on_i}
+VALUES = {"nki": _nki, "nkilib.core.moe.moe_cte.bwmm_shard_on_I": _bwmm_shard_on_i,
+          "nkilib.core.attention.attention_cte": _attention_cte}

@@ -223,7 +223,8 @@ def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
               continuous_batching=spec.continuous_batching, prefill_all_logits=spec.all_logits,
               context_encoding_buckets=list(spec.context_buckets), token_generation_buckets=list(spec.token_buckets))
     if not on_cpu:
-        kw.update(logical_nc_config=spec.lnc, save_sharded_checkpoint=True, attn_kernel_enabled=False)
+        # NxDI's CTE flash-attention kernel for the dense layers (sparse layers keep ops.prefill_step)
+        kw.update(logical_nc_config=spec.lnc, save_sharded_checkpoint=True, attn_kernel_enabled=True)
     if spec.weights == "fp8":  # NxD's quantized routed experts; the port's state dict then carries e4m3 + .scale
         kw.update(fp8_experts.neuron_config_kwargs(), quantized_checkpoints_path=str(spec.model))
     if spec.on_device_sampling:  # seeded draws among NxDI's global top-256; only token ids leave the device

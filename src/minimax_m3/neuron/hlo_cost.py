@@ -306,10 +306,10 @@ def analyze_module(module, states: dict[int, float] | None = None) -> dict:
             c["count"] += 1
             kernel = nki_kernel(ins)
             if kernel is not None and node is not None:
-                cls, cost = NKI_KERNEL_COST[kernel["nki_kernel"]]
+                cls, cost, assumes = NKI_KERNEL_COST[kernel["nki_kernel"]]
                 flops[cls] += cost([shapes[o] for o in mod.operands[node]], kernel)
                 notes.append(f"NKI kernel {kernel['nki_kernel']}: FLOPs counted analytically (nki_cost."
-                             "NKI_KERNEL_COST), routing balanced as NxD's static-block count assumes")
+                             f"NKI_KERNEL_COST), {assumes}")
             elif ins.custom_call_target not in KNOWN_CUSTOM_CALLS:
                 c["counted"] = False
         elif op in COLLECTIVES:
