@@ -249,10 +249,12 @@ class EngineSpec:
         name = f"neuron-tp{s.tp}-ep{s.ep}-lnc{s.lnc}-{dt}-b{s.max_batch}-s{s.max_seq_len}-{digest}"
         return f"{str(self.model).rstrip('/')}/{name}"
 
-    def write_artifact(self, path: str) -> None:
-        """Record in a compiled directory what it was compiled for (:data:`ARTIFACT_FILE`, written atomically)."""
+    def write_artifact(self, path: str, for_vllm: bool = False) -> None:
+        """Record in a compiled directory what it was compiled for (:data:`ARTIFACT_FILE`, written atomically);
+        ``for_vllm``: vllm-neuron's neuron config (``compile --for-vllm``), which the engine does not load."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        write_atomic(Path(path) / ARTIFACT_FILE, json.dumps(self.artifact_key(), indent=1, sort_keys=True) + "\n")
+        record = {**self.artifact_key(), **({"for_vllm": True} if for_vllm else {})}
+        write_atomic(Path(path) / ARTIFACT_FILE, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
     def check_artifact(self, path: str) -> None:
         """A compiled directory built for other options is refused, naming every field that differs (one without
@@ -261,6 +263,10 @@ class EngineSpec:
         if not saved.is_file():
             return
         have, want = json.loads(saved.read_text()), self.artifact_key()
+        if have.get("for_vllm"):
+            raise SpecError(["compiled with --for-vllm (vllm-neuron's neuron config): serve it with `vllm serve` "
+                             "(README, 'Serving with vLLM'), or compile again without --for-vllm"],
+                            source=f"compiled artifact {path}")
         have = {**_RECORD_DEFAULTS, **have}
         diff = [f"{k}: compiled for {have.get(k)!r}, asked for {want[k]!r}" for k in want if have.get(k) != want[k]]
         if diff:

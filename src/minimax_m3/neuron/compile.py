@@ -30,6 +30,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-ids", default="1,100,200,300,400", help="comma-separated token ids to generate from")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--skip-compile", action="store_true", help="load an existing compiled directory")
+    p.add_argument("--for-vllm", action="store_true",
+                   help="write the artifact vllm-neuron 0.4.1 loads from $NEURON_COMPILED_ARTIFACTS (its neuron "
+                        "config for --batch as --max-num-seqs and --max-seq-len as --max-model-len, sharded weights) "
+                        "and print the matching `vllm serve` command line (README, 'Serving with vLLM')")
     p.add_argument("--dry-run", action="store_true",
                    help="trace every bucket to HLO (NxDI's compile(dry_run=True)), write the modules, the neuronx-cc "
                         "commands, dry_run.json and graphs.json to --compiled, and stop (no weights read)")
@@ -50,6 +54,14 @@ def compile_spec(args) -> EngineSpec:
     if not spec.model:
         raise SpecError(["--model is required: a checkpoint directory (or --synthetic)"], source="compile")
     return spec
+
+
+def vllm_spec(args) -> EngineSpec:
+    """``--for-vllm``: the resolved serving spec of compile's options (``neuron.vllm_artifact.vllm_spec``)."""
+    from . import vllm_artifact
+
+    spec = compile_spec(args)
+    return vllm_artifact.vllm_spec(spec, _config(spec.model))
 
 
 def check_backend(args) -> None:
@@ -83,6 +95,10 @@ def run(args) -> int:
 
     if args.dry_run:
         return _dry_run(args)
+    if getattr(args, "for_vllm", False):
+        from .vllm_artifact import compile_for_vllm
+
+        return compile_for_vllm(vllm_spec(args), args.compiled)
     spec = compile_spec(args)
     spec = spec.validate(_config(spec.model))
     if spec.max_batch > 1:

@@ -1,4 +1,5 @@
-"""vllm-neuron's worker, with the loader's compile-and-load step replaced by NxDI's CPU mode (tests only).
+"""vllm-neuron's worker, with the loader's compile-and-load and load-precompiled steps run in NxDI's CPU mode
+(tests only).
 
 Everything else is vllm-neuron's own: the neuron config it builds from vLLM's settings (plus the test's
 ``override_neuron_config``), the model class it finds in NxDI's ``MODEL_TYPES``, the inputs it builds per step.
@@ -13,9 +14,21 @@ def _build_and_run_on_cpu(self, model_path, neuronx_model_cls, config, compiled_
     instead of compiled to ``compiled_path`` and loaded onto NeuronCores."""
     self.model = neuronx_model_cls(model_path, config)
     self.model.to_cpu()
+    self.m3_branch = "compiled"
+
+
+def _load_precompiled_on_cpu(self, compiled_model_path, neuronx_model_cls, kwargs):
+    """Stands for ``_load_compiled_model`` (vllm-neuron's branch for ``$NEURON_COMPILED_ARTIFACTS``): the same
+    application built from the directory alone (NxDI reads ``neuron_config.json`` there and raises
+    FileNotFoundError without it, which sends vllm-neuron to its compile branch), then run on CPU instead of
+    ``load(dir)`` (which reads ``model.pt`` and ``weights/`` onto NeuronCores)."""
+    self.model = neuronx_model_cls(compiled_model_path)
+    self.model.to_cpu()
+    self.m3_branch = "precompiled"
 
 
 loader.NeuronCausalLM._compile_and_load_model = _build_and_run_on_cpu
+loader.NeuronCausalLM._load_compiled_model = _load_precompiled_on_cpu
 
 
 class CpuModeNeuronWorker(NeuronWorker):

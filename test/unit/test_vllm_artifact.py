@@ -1,0 +1,37 @@
+"""``compile --for-vllm``'s own rules, without NxDI or vLLM (the configs themselves:
+``test/vllm/test_compile_for_vllm.py``)."""
+
+import json
+
+import pytest
+
+from minimax_m3.neuron.vllm_artifact import serving_problems
+from minimax_m3.spec import EngineSpec, SpecError
+
+
+def _spec(**kw):
+    base = dict(model="m", backend="neuron", max_seq_len=8192, max_batch=8, tp=64, ep=64, lnc=2, all_logits=False)
+    return EngineSpec(**{**base, **kw}).resolve()
+
+
+def test_a_serving_spec_has_no_problem():
+    assert serving_problems(_spec()) == []
+    assert serving_problems(_spec(max_batch=1)) == []
+
+
+def test_what_vllm_neuron_would_build_differently_is_named_by_option():
+    got = serving_problems(_spec(all_logits=True, continuous_batching=False, max_context_len=4096))
+    assert len(got) == 3
+    for option, text in zip(("--all-logits", "--continuous-batching", "--max-context-len"), got):
+        assert text.startswith(option)
+
+
+def test_the_engine_refuses_an_artifact_compiled_for_vllm(tmp_path):
+    spec = _spec()
+    spec.write_artifact(str(tmp_path), for_vllm=True)
+    assert json.loads((tmp_path / "minimax-m3-spec.json").read_text())["for_vllm"] is True
+    with pytest.raises(SpecError) as e:
+        spec.check_artifact(str(tmp_path))
+    assert "--for-vllm" in str(e.value) and "vllm serve" in str(e.value)
+    spec.write_artifact(str(tmp_path))  # the engine's own record is accepted
+    spec.check_artifact(str(tmp_path))
