@@ -7,6 +7,7 @@ against transformers in the project's own suite). Greedy tokens must equal it ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -178,33 +179,40 @@ def _post(url, body):
 
 def test_vllm_serve_answers_a_completions_request(model, golden, tmp_path):
     """``vllm serve`` on 127.0.0.1 (engine in its own process: the plugins register again there)."""
-    port = _free_port()
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    override = json.dumps({"override_neuron_config": {**CPU_MODE, **BUCKETS}})
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port",
-         str(port), "--dtype", "float32", "--tensor-parallel-size", "1", "--max-model-len", str(MAX_LEN),
-         "--max-num-seqs", str(SEQS), "--no-enable-prefix-caching", "--served-model-name", "m3-tiny",
-         "--additional-config", override], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 300
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"vllm serve exited ({server.returncode}):\n{(tmp_path / 'serve.log').read_text()[-4000:]}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                if time.time() > deadline:
-                    pytest.fail("vllm serve did not come up in 300 s:\n" + (tmp_path / "serve.log").read_text()[-4000:])
-                time.sleep(2)
+    with vllm_serve(model, tmp_path / "serve.log", MAX_LEN, BUCKETS) as port:
         body = {"model": "m3-tiny", "prompt": PROMPTS[1], "max_tokens": STEPS, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True}
         out = _post(f"http://127.0.0.1:{port}/v1/completions", body)
         assert out["choices"][0]["token_ids"] == golden[1]
         assert out["usage"] == {"prompt_tokens": len(PROMPTS[1]), "completion_tokens": STEPS,
                                 "total_tokens": len(PROMPTS[1]) + STEPS, "prompt_tokens_details": None}
+
+
+@contextlib.contextmanager
+def vllm_serve(model, log_path, max_len, buckets, seqs=SEQS):
+    """``vllm serve`` of ``model`` (as ``m3-tiny``) on 127.0.0.1 in CPU mode; yields the port once it is healthy."""
+    port = _free_port()
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    override = json.dumps({"override_neuron_config": {**CPU_MODE, **buckets}})
+    log = open(log_path, "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port",
+         str(port), "--dtype", "float32", "--tensor-parallel-size", "1", "--max-model-len", str(max_len),
+         "--max-num-seqs", str(seqs), "--no-enable-prefix-caching", "--served-model-name", "m3-tiny",
+         "--additional-config", override], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"vllm serve exited ({server.returncode}):\n{log_path.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    pytest.fail("vllm serve did not come up in 300 s:\n" + log_path.read_text()[-4000:])
+                time.sleep(2)
+        yield port
     finally:
         server.terminate()
         try:

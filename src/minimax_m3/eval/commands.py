@@ -22,6 +22,11 @@ def register(subparsers) -> None:
     )
     add_engine_options(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--server", default=None,
+                   help="generate through an OpenAI-compatible completions server (e.g. vllm serve) at this base URL, "
+                        "such as http://127.0.0.1:8000/v1, instead of loading an engine (--model: the checkpoint "
+                        "directory for the tokenizer and config; needs the openai package)")
+    p.add_argument("--served-model", default=None, help="--server: the model name (default: the first it lists)")
     p.add_argument("--data", required=True, help="folder with LongBench's <task>.jsonl (v1/E) and/or data.json (v2)")
     p.add_argument("--longbench-dir", default=None,
                    help="a THUDM/LongBench checkout (root or its LongBench/) for config/dataset2prompt.json, "
@@ -48,12 +53,12 @@ def cmd_longbench(args) -> None:
     data = Path(args.data)
     longbench_dir = Path(args.longbench_dir) if args.longbench_dir else data.resolve().parent
     try:
-        engine = load_engine(spec_from_args(args))
+        engine = server_engine(args) if args.server else load_engine(spec_from_args(args))
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         report = run_longbench(
             engine, tokenizer, data, longbench_dir, args.tasks, args.out, limit=args.limit, batch_size=args.batch_size,
             max_input_tokens=args.max_input_tokens, progress=not args.no_progress,
-            meta={"model": str(args.model), "backend": args.backend}, strip_thinking=args.strip_thinking,
+            meta=run_meta(args), strip_thinking=args.strip_thinking,
         )  # fmt: skip
     except M3Error:
         raise
@@ -63,3 +68,25 @@ def cmd_longbench(args) -> None:
 
     print(render_markdown(report))
     print(f"report: {Path(args.out) / 'report.json'} and report.md")
+
+
+def run_meta(args) -> dict:
+    """What a run records (and a resume must repeat): the model and where it ran."""
+    if args.server:
+        return {"model": str(args.model), "backend": "server", "server": args.server}
+    return {"model": str(args.model), "backend": args.backend}
+
+
+def server_engine(args):
+    """``--server``: the runner's engine over an OpenAI-compatible server; engine options other than --model and
+    --max-seq-len (used when the server reports no max_model_len) do not apply."""
+    from ..config import M3Config
+    from .server import ServerEngine
+
+    if args.backend != "reference" or args.device:
+        raise LongBenchRunError("--server generates on the server: drop --backend and --device")
+    try:
+        eos = M3Config.from_pretrained(args.model).eos_token_id
+    except (M3Error, OSError):
+        eos = None  # the tokenizer's EOS still stops generation
+    return ServerEngine(args.server, args.served_model, max_seq_len=args.max_seq_len, eos_token_id=eos)
