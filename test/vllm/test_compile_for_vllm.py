@@ -124,6 +124,11 @@ def test_vllm_neuron_loads_what_compile_wrote_and_compiles_nothing(model, golden
 @pytest.mark.parametrize("seqs", [1, 4])
 def test_written_down_rules_equal_vllm_neurons_functions(nxdi, override, seqs):
     """Where vllm-neuron is not importable (compile on a host without vLLM), the same config comes out."""
+    import m3_vllm_standin_platform
+
+    m3_vllm_standin_platform.setup()
+    import vllm_neuron.worker.neuronx_distributed_model_loader  # noqa: F401  (else both sides are the copy)
+
     from minimax_m3.neuron.vllm_plugin import vllm_neuron_config
 
     kw = dict(tp=2, max_num_seqs=seqs, max_model_len=64, dtype="bfloat16", override=override)
