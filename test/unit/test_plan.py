@@ -76,31 +76,32 @@ def test_prefill_working_memory_by_hand():
 
 
 def test_prefill_attention_chunk_at_32k_by_hand():
-    # the port's chunk at 32K: 8 chunks would be 4096 queries, capped at 1024 (32 chunks)
-    assert prefill_chunk(M3, 32768) == 1024 and prefill_chunk(M3, 8192) == 1024
+    # the port's chunk at 32K: 8 chunks of 4096 queries (the cap); 64K would take 16 chunks of 4096
+    assert prefill_chunk(M3, 32768) == 4096 and prefill_chunk(M3, 65536) == 4096 and prefill_chunk(M3, 8192) == 1024
     assert prefill_chunk(M3, 6000) == 768 and prefill_chunk(M3, 1000) == 128  # ceil(S / 8) in whole 128-token blocks
     a = attention_chunk_bytes(M3, 64, 32768)
-    # rank 0 of TP 64: 1 query head, 1 KV head, 1 index head; the last chunk's 1024 queries each gather 16 blocks
+    # rank 0 of TP 64: 1 query head, 1 KV head, 1 index head; the last chunk's 4096 queries each gather 16 blocks
     # of 128 keys x 128 dims of K and of V (bf16), score them (fp32 scores + probabilities), and the indexer
     # scores the chunk against all 32768 keys (fp32), pools them to 256 blocks (fp32) and keeps 16 ids (int64)
     assert a == {
-        "gathered K and V": 2 * 1024 * 16 * 128 * 128 * 2,  # 1 GiB
-        "scores and probabilities": 1024 * 16 * 128 * 2 * 4,
-        "index scores": 1024 * 32768 * 4,
-        "pooled block scores": 1024 * 256 * 4,
-        "selection": 1024 * 16 * 8,
+        "gathered K and V": 2 * 4096 * 16 * 128 * 128 * 2,  # 4 GiB
+        "scores and probabilities": 4096 * 16 * 128 * 2 * 4,
+        "index scores": 4096 * 32768 * 4,
+        "pooled block scores": 4096 * 256 * 4,
+        "selection": 4096 * 16 * 8,
     }
-    assert sum(a.values()) == 1_225_916_416
-    # the dense layers' chunk (1024 x 32768 fp32 scores + probabilities + mask) is smaller: the sparse one counts
-    assert sum(a.values()) > 1024 * 32768 * 9
+    assert sum(a.values()) == 4_903_665_664
+    # the dense layers' chunk (4096 x 32768 fp32 scores + probabilities + mask) is smaller: the sparse one counts
+    assert sum(a.values()) > 4096 * 32768 * 9
     p = plan(M3, 64, 64, batch=1, seq=32768)
     moe = 2 * 32768 * 128 * 4 + (32768 * 4 // 512 + 1) * 512 * (2 * 6144 + 2 * 3072) * 2
-    assert dict(p.phases) == {"attention chunk": 1_225_916_416, "MoE": moe}
+    # at 32K the chunk (4.57 GiB) is just above the MoE buffers (4.55 GiB): it is the phase that counts
+    assert dict(p.phases) == {"attention chunk": 4_903_665_664, "MoE": moe} and moe < 4_903_665_664
     persistent = 4 * 32768 * 6144 * 2 + 32768 * 6 * 128 * 2 + 3126 * 4
-    assert p.prefill_bytes == persistent + max(moe, 1_225_916_416)
-    # a smaller cap is modelled as the port would run it: 512-query chunks gather half the K/V
-    assert attention_chunk_bytes(M3, 64, 32768, chunk=512)["gathered K and V"] == 2 ** 29
-    assert plan(M3, 64, 64, batch=1, seq=32768, max_chunk=512).chunk == 512
+    assert p.prefill_bytes == persistent + max(moe, 4_903_665_664)
+    # a smaller cap is modelled as the port would run it: 1024-query chunks gather a quarter of the K/V
+    assert attention_chunk_bytes(M3, 64, 32768, chunk=1024)["gathered K and V"] == 2 ** 30
+    assert plan(M3, 64, 64, batch=1, seq=32768, max_chunk=1024).chunk == 1024
 
 
 def test_verdicts():
@@ -110,8 +111,8 @@ def test_verdicts():
     # ... and prefilling one sequence at a time (the engine's continuous batching, the default) fits
     assert plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1).fits
     assert plan(M3, 64, 64, batch=8, seq=8192) == plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1)
-    # issue 14's long-context shapes with the port's 1024-query chunks: 32K at batch 1 (0.63 GiB headroom) and 8K
-    # at batch 8 (continuous batching)
+    # issue 14's long-context shapes with the port's chunks: 32K at batch 1 (4096-query chunks, 0.61 GiB headroom)
+    # and 8K at batch 8 (continuous batching, 1024-query chunks)
     assert plan(M3, 64, 64, batch=1, seq=32768).fits
     # 1 x 128K in bf16: ~5.6 GiB of caches on top of ~12.9 GiB of weights and the reserve
     big = plan(M3, 64, 64, batch=1, seq=131072)
