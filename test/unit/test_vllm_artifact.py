@@ -35,3 +35,13 @@ def test_the_engine_refuses_an_artifact_compiled_for_vllm(tmp_path):
     assert "--for-vllm" in str(e.value) and "vllm serve" in str(e.value)
     spec.write_artifact(str(tmp_path))  # the engine's own record is accepted
     spec.check_artifact(str(tmp_path))
+
+
+def test_the_serving_spec_lists_every_problem_at_once():
+    from minimax_m3.neuron.vllm_artifact import vllm_spec
+
+    spec = EngineSpec(model="m", backend="neuron", max_seq_len=8192, max_batch=8, tp=64, ep=3, all_logits=True)
+    with pytest.raises(SpecError) as e:
+        vllm_spec(spec, None)
+    text = str(e.value)
+    assert "--all-logits" in text and "ep" in text  # a spec rule and a serving rule in one error

@@ -49,9 +49,7 @@ def vllm_spec(spec: EngineSpec, config: M3Config | None) -> EngineSpec:
     part of the spec), resolved and validated with the serving rules: one error listing every problem."""
     # the directory is where the artifact goes, also in CPU mode (the config only); serving builds no all-logits
     spec = dataclasses.replace(spec, compiled=None, all_logits=False if spec.all_logits is None else spec.all_logits)
-    problems = spec.problems(config)
-    if not problems:
-        problems = serving_problems(spec.resolve(config))
+    problems = spec.problems(config) + serving_problems(spec.resolve(config))
     if problems:
         raise SpecError(problems, source="compile --for-vllm")
     return spec.resolve(config)
