@@ -9,19 +9,9 @@
 # at the same shapes for the side-by-side report. Extra arguments go to both pytest runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for var in NXDI_SRC NXD_SRC; do
-  if [ -z "${!var:-}" ]; then
-    echo "test_neuron_offdevice: set $var to the src/ folder of a checkout (see README, 'NxDI CPU mode')" >&2
-    exit 2
-  fi
-done
-PY=${PYTHON:-python3}
-if [ ! -x .venv-nxdi/bin/python ]; then
-  "$PY" -m venv .venv-nxdi
-fi
-.venv-nxdi/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv-nxdi/bin/python -m pip install -q -c constraints/nxdi.txt torch torch-xla transformers tenacity boto3 safetensors \
-  pytest protobuf
+source scripts/_offdevice_env.sh
+need_sources test_neuron_offdevice "to the src/ folder of a checkout (see README, 'NxDI CPU mode')" NXDI_SRC NXD_SRC
+offdevice_venv .venv-nxdi constraints/nxdi.txt torch torch-xla transformers tenacity boto3 safetensors pytest protobuf
 .venv-nxdi/bin/python -m pip install -q -e . --no-deps
 export PJRT_DEVICE=CPU
 echo "test_neuron_offdevice: NxDI CPU mode (TP 1 in-process, 2 and 4 under torchrun)"

@@ -10,19 +10,9 @@
 # installed: its NxDI requirement is not on PyPI). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for var in NXDI_SRC NXD_SRC VLLM_NEURON_SRC; do
-  if [ -z "${!var:-}" ]; then
-    echo "test_vllm_offdevice: set $var (see README, 'Serving with vLLM')" >&2
-    exit 2
-  fi
-done
-PY=${PYTHON:-python3}
-if [ ! -x .venv-vllm/bin/python ]; then
-  "$PY" -m venv .venv-vllm
-fi
-.venv-vllm/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv-vllm/bin/python -m pip install -q -c constraints/vllm.txt vllm torch torch-xla transformers tenacity boto3 \
-  safetensors pytest
+source scripts/_offdevice_env.sh
+need_sources test_vllm_offdevice "(see README, 'Serving with vLLM')" NXDI_SRC NXD_SRC VLLM_NEURON_SRC
+offdevice_venv .venv-vllm constraints/vllm.txt vllm torch torch-xla transformers tenacity boto3 safetensors pytest
 .venv-vllm/bin/python -m pip install -q --no-deps -e . -e test/vllm/standin_platform
 export PJRT_DEVICE=CPU
 echo "test_vllm_offdevice: vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)'), vllm-neuron from $VLLM_NEURON_SRC"
