@@ -5,14 +5,15 @@ found (one check usually finds several: a bad config, a checkpoint with missing 
 ``M3Error`` to an exit code once and prints the problems, never a traceback. Subclasses keep a second, builtin base
 (``ValueError``, ``RuntimeError``, ``ImportError``) so callers that caught those before still catch them.
 
-This module is a leaf: it imports nothing from the package, so any module may import it.
+This module is a leaf: it imports nothing from the package, so any module may import it. Besides the base, the one
+error two layers raise alike: ``ServingError`` (the Neuron config and the vLLM plugin refuse a serving setup).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["M3Error"]
+__all__ = ["M3Error", "ServingError"]
 
 
 class M3Error(Exception):
@@ -29,3 +30,13 @@ class M3Error(Exception):
         else:
             message = heading + "".join(f"\n  - {p}" for p in self.problems)
         super().__init__(message)
+
+
+class ServingError(M3Error, ValueError):
+    """A serving configuration the Neuron port cannot serve, each problem naming the vLLM flag to change: raised
+    where vllm-neuron builds the neuron config (``neuron.config``) and where vLLM builds its own
+    (``neuron.vllm_plugin.VllmConfigChecks``). Here, not in ``neuron.config``, because the vLLM hook runs without
+    NxDI imported."""
+
+    def __init__(self, problems: str | Sequence[str]):
+        super().__init__(problems, heading="MiniMax-M3 cannot be served with this configuration:")

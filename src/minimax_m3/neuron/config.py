@@ -17,6 +17,7 @@ from neuronx_distributed_inference.modules.autobucketing import generate_buckets
 
 from .. import sharding
 from ..config import M3Config
+from ..errors import ServingError
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
     def __init__(self, **kwargs):
         problems = serving_problems(kwargs)
         if problems:
-            raise ValueError("MiniMax-M3 cannot be served with this configuration: " + "; ".join(problems))
+            raise ServingError(problems)
         self.prefill_all_logits = bool(kwargs.pop("prefill_all_logits", False))
         # vllm-neuron passes tp_degree only: the MoE split defaults to all TP ranks over moe_ep_degree groups
         kwargs.setdefault("moe_tp_degree", kwargs.get("tp_degree", 1) // max(1, kwargs.get("moe_ep_degree", 1)))

@@ -192,7 +192,7 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     index_k = batch * cache_len * sum(c.sparse_layers) * di * kvb
 
     t = ctx_batch * seq
-    moe_tp = tp // ep
+    moe_tp = sharding.moe_tp(tp, ep)
     chunk = prefill_chunk(c, seq, chunks, max_chunk)
     phases = prefill_phases(c, tp, ep, seq, ctx_batch, chunk, moe_block)
     prefill = (
@@ -291,7 +291,7 @@ def prefill_flops(c: M3Config, tp: int, ep: int, batch: int, seq: int) -> dict[s
 
 def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None) -> str:
     gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
-    lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={p.tp // p.ep}), batch={p.batch}, seq={p.seq}, "
+    lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={sharding.moe_tp(p.tp, p.ep)}), batch={p.batch}, seq={p.seq}, "
              f"prefill batch={p.ctx_batch}, weights {p.weights}, KV {p.kv_dtype}; per rank:"]
     lines.append(f"  weights              {gib(p.weight_bytes)}")
     for name, n in (parts or {}).items():

@@ -30,6 +30,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..config import M3Config
+from ..errors import ServingError
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class VllmConfigChecks:
     def verify_and_update_config(vllm_config) -> None:
         problems = VllmConfigChecks.problems(vllm_config)
         if problems:
-            raise ValueError("MiniMax-M3 cannot be served with this configuration: " + "; ".join(problems))
+            raise ServingError(problems)
 
 
 def register_config() -> None:
