@@ -1,6 +1,9 @@
 # Shared by the off-device suites (sourced, not run): the required source variables and the suite's own venv.
-#   need_sources SCRIPT HINT VAR...       exit 2 naming the first unset VAR and the HINT
-#   offdevice_venv DIR CONSTRAINTS PKG... create DIR (once), install PKGs under CONSTRAINTS, then this package
+#   need_sources SCRIPT HINT VAR...                 exit 2 naming the first unset VAR and the HINT
+#   offdevice_venv LINK CONSTRAINTS PKG... -- DIR... the cached venv LINK (scripts/_venv.sh) with PKGs under
+#                                                   CONSTRAINTS, then DIRs (this package first) editable, no deps
+source scripts/_venv.sh
+
 need_sources() {
   local who=$1 hint=$2 var
   shift 2
@@ -13,11 +16,10 @@ need_sources() {
 }
 
 offdevice_venv() {
-  local dir=$1 constraints=$2
+  local link=$1 constraints=$2 pkgs=()
   shift 2
-  if [ ! -x "$dir/bin/python" ]; then
-    "${PYTHON:-python3}" -m venv "$dir"
-  fi
-  "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null
-  "$dir/bin/python" -m pip install -q -c "$constraints" "$@"
+  while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do pkgs+=("$1"); shift; done
+  [ "$#" -gt 0 ] && shift
+  cached_venv "$link" "$constraints" "${pkgs[@]}"
+  install_local "$link" "$@"
 }

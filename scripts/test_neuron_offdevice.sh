@@ -11,8 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_offdevice_env.sh
 need_sources test_neuron_offdevice "to the src/ folder of a checkout (see README, 'NxDI CPU mode')" NXDI_SRC NXD_SRC
-offdevice_venv .venv-nxdi constraints/nxdi.txt torch torch-xla transformers tenacity boto3 safetensors pytest protobuf
-.venv-nxdi/bin/python -m pip install -q -e . --no-deps
+offdevice_venv .venv-nxdi constraints/nxdi.txt torch torch-xla transformers tenacity boto3 safetensors pytest protobuf -- .
 export PJRT_DEVICE=CPU
 echo "test_neuron_offdevice: NxDI CPU mode (TP 1 in-process, 2 and 4 under torchrun)"
 .venv-nxdi/bin/python -m pytest -q --backend neuron-cpu test/integration/test_backend_suite.py test/neuron_cpu "$@"
