@@ -12,9 +12,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {  # name -> the module (relative to this package) that defines it
     "M3Error": "errors",
-    "ConfigError": "config", "M3Config": "config",
-    "Engine": "engine", "EngineInputError": "engine", "GenerationConfig": "engine", "GenerationResult": "engine",
-    "load_engine": "backends", "EngineSpec": "spec",
+    "ConfigError": "config.m3", "M3Config": "config.m3",
+    "Engine": "engine.loop", "EngineInputError": "engine.loop", "GenerationConfig": "engine.loop",
+    "GenerationResult": "engine.loop", "load_engine": "load", "EngineSpec": "engine.spec",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 
 from . import storage
-from .backends import load_engine
-from .engine import TIMING_KEYS, GenerationConfig
+from .load import load_engine
+from .engine.loop import TIMING_KEYS, GenerationConfig
 from .errors import M3Error
-from .spec import EngineSpec, add_engine_options, spec_from_args
+from .engine.spec import EngineSpec, add_engine_options, spec_from_args
 
 # Packages that contribute sub-commands through a ``register(subparsers)`` function.
-COMMAND_MODULES = ("minimax_m3.checkpoint.commands", "minimax_m3.eval.commands", "minimax_m3.neuron.plan",
-                   "minimax_m3.neuron.commands")
+COMMAND_MODULES = ("minimax_m3.checkpoint.commands", "minimax_m3.eval.commands", "minimax_m3.planner",
+                   "minimax_m3.neuron.commands", "minimax_m3.graphs.report")
 # Contributed commands that take s3:// inputs (argument names) and upload an output directory.
 STORAGE_WIRING = {
     "longbench": (("model", "tokenizer", "data", "longbench_dir"), "out"),

@@ -26,7 +26,7 @@ def _shape(s) -> str:
 
 
 def summarize(out: Path) -> list[dict]:
-    from minimax_m3.neuron import hlo_schema
+    from minimax_m3.graphs import hlo_schema
 
     man = json.loads((out / "dry_run.json").read_text())
     rows = []
@@ -45,9 +45,9 @@ def summarize(out: Path) -> list[dict]:
 def main(argv: list[str]) -> int:
     standins_trace.install()
     from minimax_m3.config import M3Config
-    from minimax_m3.neuron import dry_run
+    from minimax_m3.neuron import trace as dry_run
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import build_neuron_config
+    from minimax_m3.neuron.build import build_neuron_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
     from minimax_m3.neuron.sampling import on_device_sampling_config
 

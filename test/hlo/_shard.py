@@ -118,7 +118,7 @@ def _shard(ckpt: str, out: Path) -> dict:
 
     from minimax_m3.neuron.compile import TRN2
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import build_neuron_config
+    from minimax_m3.neuron.build import build_neuron_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
 
     nc = build_neuron_config(**TRN2, batch_size=1, max_seq_len=256, max_context_length=256, dtype="bfloat16",

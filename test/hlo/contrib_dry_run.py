@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
 
     from minimax_m3.config import M3Config
     from minimax_m3.neuron import compile as ours
-    from minimax_m3.neuron import dry_run
+    from minimax_m3.neuron import trace as dry_run
 
     ap = argparse.ArgumentParser()
     ours.add_args(ap)

@@ -36,7 +36,7 @@ def main(dry: str, ckpt: str, request: str, out: str) -> None:
     import torch_xla
     import torch_xla.core.xla_builder as xb
 
-    from minimax_m3.neuron import hlo_schema
+    from minimax_m3.graphs import hlo_schema
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
 

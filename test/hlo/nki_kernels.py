@@ -3,8 +3,8 @@
 The kernels live in the closed ``nkilib`` package; here each one becomes one custom call with the operands NxD hands
 it and the result shape NxD reads back, so the graph has the shape a neuronx-cc build would see. The call's
 ``custom_call_target`` is ``AwsNeuronCustomNativeKernel`` (how NKI kernels reach neuronx-cc) and its backend config is
-a small JSON naming the kernel and its static parameters, from which ``minimax_m3.neuron.hlo_cost`` counts the
-kernel's FLOPs analytically (``minimax_m3.neuron.nki_cost``).
+a small JSON naming the kernel and its static parameters, from which ``minimax_m3.graphs.hlo_cost`` counts the
+kernel's FLOPs analytically (``minimax_m3.graphs.nki_cost``).
 
 * ``nkilib.core.moe.moe_cte.bwmm_shard_on_I.blockwise_mm_baseline_shard_intermediate_hybrid``: NxD's
   shard-on-intermediate dynamic-while blockwise MoE kernel (``modules/moe/blockwise.py``

@@ -12,7 +12,7 @@ extends); the NxDI/NxD sources come from ``NXDI_SRC``/``NXD_SRC``.
 * ``xla_hlo_call`` builds NxDI's small HLO snippets (``DynamicUpdateSlice`` with constant or tensor starts,
   ``Constant``, ``Rng``) with ``torch_xla.core.xla_builder`` and inserts them as a ``call``; ``CustomCall`` snippets
   (layer markers) and ``RmsNorm`` (the published port's norm) become real custom-calls with the right shapes;
-* ``hlo_pb2`` / ``xla_data_pb2`` are the package's own ``minimax_m3.neuron.hlo_schema`` classes, ``metaneff_pb2`` a
+* ``hlo_pb2`` / ``xla_data_pb2`` are the package's own ``minimax_m3.graphs.hlo_schema`` classes, ``metaneff_pb2`` a
   message with the field names NxD reads.
 """
 
@@ -144,7 +144,7 @@ def generate_hlo(func, example_inputs, input_output_aliases, inline_weights_to_n
                  output_aliased_tensor=False, cpu_backend=True, preserve_parameters=False, **_):
     import torch_xla  # noqa: F401  (initialises the XLA runtime before the first device call)
 
-    from minimax_m3.neuron import hlo_schema
+    from minimax_m3.graphs import hlo_schema
 
     dev = _device()
     if isinstance(func, torch.nn.Module):
@@ -328,7 +328,7 @@ def hlo_debug(*_, **__):
 
 
 def _values() -> dict:
-    from minimax_m3.neuron import hlo_schema
+    from minimax_m3.graphs import hlo_schema
 
     from . import nki_kernels, scribe
 

@@ -44,7 +44,8 @@ def _recording_engine(ckpt, **kw):
 
     standins.bootstrap()
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import NeuronEngine, build_neuron_config
+    from minimax_m3.neuron.provider import NeuronEngine
+    from minimax_m3.neuron.build import build_neuron_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
 
     config = MiniMaxM3InferenceConfig(build_neuron_config(dtype="float32", **kw), load_config=load_m3_config(ckpt))
@@ -107,7 +108,7 @@ def test_token_buckets_off_the_indexer_block_are_refused_at_config_time(ckpt):
 
     standins.bootstrap()
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import build_neuron_config
+    from minimax_m3.neuron.build import build_neuron_config
 
     block = M3Config.preset("tiny").index_block_size
     with pytest.raises(ValueError, match=f"token-generation buckets \\[120, 512\\] must be multiples of "

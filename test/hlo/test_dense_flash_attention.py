@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from minimax_m3.neuron import hlo_cost, hlo_schema
+from minimax_m3.graphs import hlo_cost, hlo_schema
 
 from .conftest import NARROW, dry_run, write_config
 

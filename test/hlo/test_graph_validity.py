@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from minimax_m3.config import M3Config
-from minimax_m3.neuron import hlo_cost, hlo_schema
+from minimax_m3.graphs import hlo_cost, hlo_schema
 
 # custom-call targets neuronx-cc implements that NxD/NxDI emit (layer markers, NKI kernels, its TopK/ArgMax ops);
 # anything else in a graph is a call the compiler cannot lower

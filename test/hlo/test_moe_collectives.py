@@ -9,7 +9,7 @@ import json
 import pytest
 
 from minimax_m3.config import M3Config
-from minimax_m3.neuron import hlo_cost, hlo_schema
+from minimax_m3.graphs import hlo_cost, hlo_schema
 
 
 def _all_reduces(out):

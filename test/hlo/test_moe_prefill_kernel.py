@@ -14,7 +14,8 @@ import math
 import pytest
 
 from minimax_m3.config import M3Config
-from minimax_m3.neuron import hlo_cost, hlo_schema, plan
+from minimax_m3.graphs import hlo_cost, hlo_schema
+from minimax_m3 import planner as plan
 
 from .conftest import dry_run, write_config
 

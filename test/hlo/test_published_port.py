@@ -39,7 +39,7 @@ def test_graphs_prints_both_ports_side_by_side(both_ports):
 
     ours, theirs = both_ports
     assert main(["graphs", str(ours), str(theirs)]) == 0
-    from minimax_m3.neuron import graphs
+    from minimax_m3.graphs import report as graphs
 
     reports = [graphs.analyze_dir(d, write=False) for d in both_ports]
     text = graphs.format_report(reports)
@@ -52,7 +52,7 @@ def test_graphs_prints_both_ports_side_by_side(both_ports):
 def test_only_our_decode_uses_the_indexer(both_ports):
     """The published port's sparse attention does not take effect in decode (no index-K cache, no index scores);
     ours reads the index-K up to the bucket, as the analytic minimum says."""
-    from minimax_m3.neuron import graphs
+    from minimax_m3.graphs import report as graphs
 
     ours, theirs = (graphs.analyze_dir(d, write=False) for d in both_ports)
     for a, b in zip(ours["graphs"], theirs["graphs"]):

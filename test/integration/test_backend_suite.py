@@ -62,7 +62,7 @@ def engine(backend, tiny_ckpt):
         return ReferenceEngine.from_pretrained(tiny_ckpt, device="cpu", dtype="float32", max_seq_len=512)
     if backend == "neuron-cpu" and not (os.environ.get("NXDI_SRC") and os.environ.get("NXD_SRC")):
         pytest.skip("neuron-cpu needs NxDI/NxD sources: set NXDI_SRC and NXD_SRC (see README, NxDI CPU mode)")
-    from minimax_m3.backends import load_engine
+    from minimax_m3.load import load_engine
 
     try:
         return load_engine(str(tiny_ckpt), backend=backend, dtype="float32", max_seq_len=512)

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from minimax_m3.checkpoint.synthetic import write_synthetic
-from minimax_m3.backends import load_engine
+from minimax_m3.load import load_engine
 from minimax_m3.eval.commands import register
 from minimax_m3.eval.runner import run_longbench
 

@@ -17,8 +17,8 @@ def main(argv: list[str]) -> int:
 
     standins.bootstrap()
     os.environ.pop("NXD_CPU_MODE", None)
-    from minimax_m3.neuron.engine import application, inference_config
-    from minimax_m3.spec import EngineSpec
+    from minimax_m3.neuron.build import application, inference_config
+    from minimax_m3.engine.spec import EngineSpec
 
     spec = EngineSpec(ckpt, backend="neuron", tp=tp, ep=1, lnc=1, max_seq_len=256, max_batch=1,
                       context_buckets=(256,), token_buckets=(256,), weights="fp8").resolve()

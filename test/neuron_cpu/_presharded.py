@@ -44,7 +44,7 @@ def _reset_peak() -> None:
 
 def build_app(ckpt: str, tp: int, ep: int, dtype: str = "bfloat16", skip_sharding: bool = True):
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import build_neuron_config
+    from minimax_m3.neuron.build import build_neuron_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
 
     nc = build_neuron_config(tp_degree=tp, moe_ep_degree=ep, batch_size=1, max_seq_len=256, max_context_length=256,

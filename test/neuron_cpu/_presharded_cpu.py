@@ -44,7 +44,9 @@ def presharded(app, weights: Path):
 
 def engine(ckpt: str, tp: int, weights: Path | None):
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import NeuronEngine, _to_cpu, application, build_neuron_config
+    from minimax_m3.neuron.provider import NeuronEngine
+    from minimax_m3.neuron.nxd_compat import to_cpu as _to_cpu
+    from minimax_m3.neuron.build import application, build_neuron_config
 
     nc = build_neuron_config(tp_degree=tp, batch_size=1, max_seq_len=96, max_context_length=80, dtype="float32",
                              on_cpu=True, prefill_all_logits=True)

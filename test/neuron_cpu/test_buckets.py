@@ -25,7 +25,8 @@ def ckpt(tmp_path_factory):
 def _engine_calls(ckpt, **kw):
     """A NeuronEngine over an unloaded NxDI application whose forward only records its keyword arguments."""
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import NeuronEngine, application, build_neuron_config
+    from minimax_m3.neuron.provider import NeuronEngine
+    from minimax_m3.neuron.build import application, build_neuron_config
 
     config = MiniMaxM3InferenceConfig(build_neuron_config(dtype="float32", **kw), load_config=load_m3_config(ckpt))
     app = application(ckpt, config)
@@ -68,7 +69,7 @@ def test_buckets_are_overridable_and_the_context_length_is_the_last(ckpt):
 
 
 def test_static_batching_matches_reference(ckpt):
-    from minimax_m3.backends import load_engine
+    from minimax_m3.load import load_engine
     from minimax_m3.reference.engine import ReferenceEngine
 
     from .plugin import neuron_cpu_engine_kwargs

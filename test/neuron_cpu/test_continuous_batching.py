@@ -25,7 +25,7 @@ PROMPTS = [random_ids(100, seed=31), random_ids(12, seed=32), random_ids(75, see
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     from minimax_m3.checkpoint.synthetic import write_synthetic
-    from minimax_m3.backends import load_engine
+    from minimax_m3.load import load_engine
     from minimax_m3.reference.engine import ReferenceEngine
 
     from .plugin import neuron_cpu_engine_kwargs

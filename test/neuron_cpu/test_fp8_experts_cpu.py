@@ -36,8 +36,10 @@ def single_process(neuron_cpu_tp):
 
 def _fp8_app(ckpt):
     """The CPU-mode application of ``--weights fp8`` (the engine spec's one translation to NxDI's config)."""
-    from minimax_m3.neuron.engine import AllPositionsForCausalLM, AllPositionsModel, _to_cpu, inference_config
-    from minimax_m3.spec import EngineSpec
+    from minimax_m3.neuron.model import AllPositionsForCausalLM, AllPositionsModel
+    from minimax_m3.neuron.nxd_compat import to_cpu as _to_cpu
+    from minimax_m3.neuron.build import inference_config
+    from minimax_m3.engine.spec import EngineSpec
     from neuronx_distributed_inference.models.model_wrapper import DecoderModelInstance
 
     class Converted(AllPositionsModel):
@@ -62,7 +64,7 @@ def _fp8_app(ckpt):
 @pytest.fixture(scope="module")
 def engines(ckpt, single_process):
     from minimax_m3.checkpoint.fp8_experts import fp8_twin_
-    from minimax_m3.neuron.engine import NeuronEngine
+    from minimax_m3.neuron.provider import NeuronEngine
     from minimax_m3.reference.engine import ReferenceEngine
 
     app = _fp8_app(ckpt)

@@ -23,7 +23,8 @@ GLOBAL_TOPK = 512  # the tiny vocabulary: every token is a candidate, so the dra
 
 def _app(ckpt, batch: int, all_logits: bool = False):
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import _to_cpu, application, build_neuron_config
+    from minimax_m3.neuron.nxd_compat import to_cpu as _to_cpu
+    from minimax_m3.neuron.build import application, build_neuron_config
     from minimax_m3.neuron.sampling import on_device_sampling_config
 
     from .plugin import world_size
@@ -143,10 +144,10 @@ def test_the_engine_drives_on_device_sampling(ckpt):
     build. Greedy: the reference engine's tokens (graded against transformers elsewhere). Sampled (one seed for every
     sequence, as the loop's contract): each sequence gets the same tokens alone as in a continuous batch of 3 with
     staggered lengths, and the draw does leave the argmax."""
-    from minimax_m3.backends import load_engine
+    from minimax_m3.load import load_engine
     from minimax_m3.engine import GenerationConfig, StepOutput
     from minimax_m3.reference.engine import ReferenceEngine
-    from minimax_m3.spec import EngineSpec
+    from minimax_m3.engine.spec import EngineSpec
 
     from .plugin import world_size
 

@@ -22,7 +22,8 @@ def engines(tmp_path_factory):
     """The NxDI application itself (the object vllm-neuron drives), in CPU mode, and the reference engine."""
     from minimax_m3.checkpoint.synthetic import write_synthetic
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import _to_cpu, build_neuron_config
+    from minimax_m3.neuron.nxd_compat import to_cpu as _to_cpu
+    from minimax_m3.neuron.build import build_neuron_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
     from minimax_m3.reference.engine import ReferenceEngine
 

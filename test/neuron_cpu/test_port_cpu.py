@@ -35,7 +35,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(ckpts):
-    from minimax_m3.backends import load_engine
+    from minimax_m3.load import load_engine
     from minimax_m3.reference.engine import ReferenceEngine
 
     from .plugin import neuron_cpu_engine_kwargs

@@ -21,8 +21,8 @@ def ckpt(tmp_path_factory):
 @pytest.mark.parametrize("prompt, bucket, chunk", [(100, 128, 16), (300, 512, 64)])
 def test_the_planner_names_the_chunk_the_port_runs(ckpt, monkeypatch, prompt, bucket, chunk):
     from minimax_m3 import ops
-    from minimax_m3.backends import load_engine
-    from minimax_m3.neuron.plan import plan
+    from minimax_m3.load import load_engine
+    from minimax_m3.planner import plan
 
     from .plugin import neuron_cpu_engine_kwargs
 

@@ -25,13 +25,13 @@ def ckpt(tmp_path_factory):
 
 def _spec(argv):
     from minimax_m3.cli import build_parser
-    from minimax_m3.spec import spec_from_args
+    from minimax_m3.engine.spec import spec_from_args
 
     return spec_from_args(build_parser().parse_args(argv))
 
 
 def test_compile_and_generate_options_give_the_same_nxdi_config(ckpt, neuron_cpu_tp):
-    from minimax_m3.neuron.engine import inference_config
+    from minimax_m3.neuron.build import inference_config
 
     tp = ["--tp", str(neuron_cpu_tp)]
     config = M3Config.from_pretrained(ckpt)

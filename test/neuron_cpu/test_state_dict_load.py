@@ -31,7 +31,7 @@ def ckpt(tmp_path_factory):
 
 def _app(ckpt, cls=None):
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import build_neuron_config
+    from minimax_m3.neuron.build import build_neuron_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
 
     from .plugin import neuron_cpu_engine_kwargs
@@ -61,7 +61,7 @@ def single_process(neuron_cpu_tp):
 
 
 def test_port_loads_with_no_redundant_key(ckpt, single_process):
-    from minimax_m3.neuron.engine import _to_cpu
+    from minimax_m3.neuron.nxd_compat import to_cpu as _to_cpu
 
     app = _app(ckpt)
     with warnings.catch_warnings(record=True) as caught:
@@ -75,7 +75,7 @@ def test_port_loads_with_no_redundant_key(ckpt, single_process):
 
 def test_missing_and_misnamed_parameters_fail_the_load_by_name(ckpt, single_process):
     from minimax_m3.checkpoint import CheckpointError
-    from minimax_m3.neuron.engine import _to_cpu
+    from minimax_m3.neuron.nxd_compat import to_cpu as _to_cpu
 
     def edit(sd):
         del sd[DROPPED]

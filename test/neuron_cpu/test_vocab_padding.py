@@ -51,7 +51,7 @@ def ckpt_and_golden(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def port(ckpt_and_golden):
-    from minimax_m3.backends import load_engine
+    from minimax_m3.load import load_engine
 
     from .plugin import neuron_cpu_engine_kwargs
 

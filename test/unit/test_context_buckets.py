@@ -3,7 +3,7 @@ powers of two from 128 below the context length, then the context length itself,
 
 import pytest
 
-from minimax_m3.spec import _ints, context_buckets
+from minimax_m3.engine.spec import _ints, context_buckets
 
 
 @pytest.mark.parametrize("ctx,want", [

@@ -7,7 +7,7 @@ import pytest
 
 from minimax_m3.cli import build_parser
 from minimax_m3.config import ConfigError, M3Config
-from minimax_m3.spec import ARTIFACT_FIELDS, EngineSpec, SpecError, spec_from_args, spec_from_kwargs
+from minimax_m3.engine.spec import ARTIFACT_FIELDS, EngineSpec, SpecError, spec_from_args, spec_from_kwargs
 
 M3 = M3Config()  # the release: 64 heads, 4 KV heads, 128 experts, indexer block 128
 TINY = M3Config.preset("tiny")
@@ -20,7 +20,7 @@ def _single_process(monkeypatch):
 
 
 def test_defaults_per_backend(monkeypatch):
-    monkeypatch.setattr("minimax_m3.spec._cuda_available", lambda: False)
+    monkeypatch.setattr("minimax_m3.engine.spec._cuda_available", lambda: False)
     ref = EngineSpec("m").resolve(M3)
     assert (ref.device, ref.dtype, ref.max_batch, ref.tp, ref.ep, ref.lnc, ref.max_context_len) == \
         ("cpu", "float32", 8, 1, 1, 1, 4096)
@@ -36,7 +36,7 @@ def test_defaults_per_backend(monkeypatch):
     assert cpu.token_buckets == (300,)  # CPU mode: one decode module, as long as the cache
     assert EngineSpec("m", backend="neuron", max_seq_len=300).resolve(TINY).token_buckets == (128, 256, 300)
     # (tiny's block is 16: 128 is its first multiple >= 128)
-    monkeypatch.setattr("minimax_m3.spec._cuda_available", lambda: True)
+    monkeypatch.setattr("minimax_m3.engine.spec._cuda_available", lambda: True)
     assert EngineSpec("m").resolve().dtype == "bfloat16"  # reference on CUDA
     # explicit context buckets set the longest prompt; --tp alone sets --ep on neuron
     s = EngineSpec("m", backend="neuron", context_buckets=(1024, 2048), tp=32).resolve(M3)
@@ -52,7 +52,7 @@ def test_ep_from_the_environment_only_under_torchrun(monkeypatch):
 
 
 def test_every_problem_is_listed_at_once(monkeypatch):
-    monkeypatch.setattr("minimax_m3.spec._cuda_available", lambda: False)
+    monkeypatch.setattr("minimax_m3.engine.spec._cuda_available", lambda: False)
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)  # no NxDI here
     problems = EngineSpec("m", backend="neuron-cpu", tp=3, ep=4, max_seq_len=500, max_context_len=600,
                           token_buckets=(100, 500), lnc=3).problems(TINY)

@@ -125,7 +125,7 @@ def test_neuron_config_keeps_everything_but_routed_experts_bf16():
 def test_engine_spec_weights_option(tmp_path):
     import json
 
-    from minimax_m3.spec import EngineSpec, SpecError
+    from minimax_m3.engine.spec import EngineSpec, SpecError
 
     with pytest.raises(SpecError, match="weights fp8 applies to the neuron backends"):
         EngineSpec("/ckpt", backend="reference", weights="fp8").validate(M3Config.preset("tiny"))

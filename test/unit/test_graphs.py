@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from minimax_m3.config import M3Config
-from minimax_m3.neuron import graphs, hlo_cost, plan
-from minimax_m3.neuron import hlo_schema as hs
+from minimax_m3.graphs import report as graphs, hlo_cost
+from minimax_m3 import planner as plan
+from minimax_m3.graphs import hlo_schema as hs
 
 # ---- programs lowered in a subprocess (run this file as a script: python test_graphs.py OUTDIR) --------------
 CONTRIB_LINES = {137: "def forward(a, b):", 138: "    return a @ b", 139: "rope_forward = forward",

@@ -39,7 +39,7 @@ def test_config_and_errors_import_without_torch():
 def test_root_still_exports_the_engine_names():
     import minimax_m3
 
-    from minimax_m3.backends import load_engine
+    from minimax_m3.load import load_engine
     from minimax_m3.engine import GenerationConfig
 
     assert minimax_m3.GenerationConfig is GenerationConfig and minimax_m3.load_engine is load_engine

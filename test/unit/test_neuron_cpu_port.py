@@ -73,7 +73,7 @@ def _main(ck: str) -> None:  # runs inside the NxDI interpreter
     from minimax_m3.config import M3Config
     from minimax_m3.engine import GenerationConfig
     from minimax_m3.neuron.attention import IndexQProjection
-    from minimax_m3.neuron.engine import NeuronEngine
+    from minimax_m3.neuron.provider import NeuronEngine
     from minimax_m3.reference.engine import ReferenceEngine
 
     write_synthetic(ck, "tiny", seed=0)
@@ -123,7 +123,7 @@ def _main(ck: str) -> None:  # runs inside the NxDI interpreter
     import tempfile
 
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.engine import build_neuron_config
+    from minimax_m3.neuron.build import build_neuron_config
 
     c1 = MiniMaxM3InferenceConfig(build_neuron_config(tp_degree=1), load_config=load_m3_config(ck))
     d = Path(tempfile.mkdtemp())

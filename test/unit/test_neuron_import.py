@@ -35,7 +35,7 @@ def test_class_access_raises_one_clear_error():
 @pytest.mark.skipif(_sdk_here(), reason="the Neuron SDK is importable here")
 @pytest.mark.parametrize("backend", ["neuron", "neuron-cpu"])
 def test_load_engine_without_sdk(backend, tmp_path):
-    from minimax_m3.backends import load_engine
+    from minimax_m3.load import load_engine
 
     with pytest.raises(neuron.NeuronUnavailableError, match="Neuron SDK"):
         load_engine(str(tmp_path), backend=backend)

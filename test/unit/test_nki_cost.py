@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from minimax_m3.neuron.nki_cost import NKI_KERNEL_COST
+from minimax_m3.graphs.nki_cost import NKI_KERNEL_COST
 
 CFG = {"nki_kernel": "attention_cte", "causal_mask": True, "scale": 1.0, "tp_q": True, "tp_k": True, "tp_out": True,
        "grid": 2}

@@ -3,7 +3,7 @@
 import pytest
 
 from minimax_m3.config import M3Config
-from minimax_m3.neuron.plan import (GIB, PlanError, attention_chunk_bytes, decode_floor_ms, decode_minimum_bytes, main,
+from minimax_m3.planner import (GIB, PlanError, attention_chunk_bytes, decode_floor_ms, decode_minimum_bytes, main,
                                     plan, prefill_chunk, prefill_flops, weight_bytes)
 
 M3 = M3Config.preset("m3")

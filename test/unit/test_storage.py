@@ -56,7 +56,7 @@ class Recorder:
     """An S3 client that records (operation, key, range) of each API call; ``fail`` may raise instead."""
 
     def __init__(self, fail=None):
-        from minimax_m3 import _s3
+        from minimax_m3.storage import s3 as _s3
 
         self.client, self.calls, self.fail, self.lock = _s3.make_client(), [], fail, threading.Lock()
         self.client.meta.events.register("before-parameter-build.s3", self._hook)

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from minimax_m3.neuron.vllm_artifact import serving_problems
-from minimax_m3.spec import EngineSpec, SpecError
+from minimax_m3.neuron.vllm.artifact import serving_problems
+from minimax_m3.engine.spec import EngineSpec, SpecError
 
 
 def _spec(**kw):
@@ -38,7 +38,7 @@ def test_the_engine_refuses_an_artifact_compiled_for_vllm(tmp_path):
 
 
 def test_the_serving_spec_lists_every_problem_at_once():
-    from minimax_m3.neuron.vllm_artifact import vllm_spec
+    from minimax_m3.neuron.vllm.artifact import vllm_spec
 
     spec = EngineSpec(model="m", backend="neuron", max_seq_len=8192, max_batch=8, tp=64, ep=3, all_logits=True)
     with pytest.raises(SpecError) as e:

@@ -56,7 +56,7 @@ def test_readme_compile_line_builds_the_nxdi_config_vllm_neuron_builds_for_the_r
     from vllm_neuron.worker import neuronx_distributed_model_loader as loader
 
     from minimax_m3.neuron import compile as m3_compile
-    from minimax_m3.neuron import vllm_artifact
+    from minimax_m3.neuron.vllm import artifact as vllm_artifact
 
     m3 = tmp_path / "MiniMax-M3"
     m3.mkdir()
@@ -129,7 +129,7 @@ def test_written_down_rules_equal_vllm_neurons_functions(nxdi, override, seqs):
     m3_vllm_standin_platform.setup()
     import vllm_neuron.worker.neuronx_distributed_model_loader  # noqa: F401  (else both sides are the copy)
 
-    from minimax_m3.neuron.vllm_plugin import vllm_neuron_config
+    from minimax_m3.neuron.vllm.plugin import vllm_neuron_config
 
     kw = dict(tp=2, max_num_seqs=seqs, max_model_len=64, dtype="bfloat16", override=override)
     theirs, ours = vllm_neuron_config(**kw), vllm_neuron_config(**kw, use_vllm_neuron=False)

@@ -48,7 +48,7 @@ def _preds(out: Path) -> dict:
 def test_longbench_through_the_server_equals_the_reference_runner(model, longbench, tmp_path):  # noqa: F811
     from transformers import AutoTokenizer
 
-    from minimax_m3.backends import load_engine
+    from minimax_m3.load import load_engine
     from minimax_m3.eval.runner import run_longbench
 
     ref = load_engine(model, backend="reference", device="cpu", dtype="float32", max_seq_len=MAX_LEN)

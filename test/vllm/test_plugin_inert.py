@@ -14,7 +14,7 @@ PROBE = """
 import importlib.util, json, sys
 {hide}
 before = set(sys.modules)
-from minimax_m3.neuron import vllm_plugin
+from minimax_m3.neuron.vllm import plugin as vllm_plugin
 vllm_plugin.register()
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 out = {{"sdk_imported": sorted(m for m in set(sys.modules) - before
@@ -54,8 +54,8 @@ def test_without_the_neuron_sdk_registers_nothing():
 
 def test_entry_point_names_the_register_function():
     eps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert eps["vllm.general_plugins"] == {"minimax_m3": "minimax_m3.neuron.vllm_plugin:register"}
-    from minimax_m3.neuron import vllm_plugin
+    assert eps["vllm.general_plugins"] == {"minimax_m3": "minimax_m3.neuron.vllm.plugin:register"}
+    from minimax_m3.neuron.vllm import plugin as vllm_plugin
 
     assert callable(vllm_plugin.register)
 
@@ -67,7 +67,7 @@ def test_kv_connector_and_kv_offloading_are_one_error_naming_the_flag():
     import pytest
     from types import SimpleNamespace as NS
 
-    from minimax_m3.neuron.vllm_plugin import VllmConfigChecks
+    from minimax_m3.neuron.vllm.plugin import VllmConfigChecks
 
     plain = NS(kv_transfer_config=None, cache_config=NS(kv_offloading_backend=None))
     VllmConfigChecks.verify_and_update_config(plain)  # nothing to refuse

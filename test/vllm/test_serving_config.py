@@ -131,7 +131,7 @@ def test_both_config_forms_load_as_vllm_and_vllm_neuron_read_them(nxdi, tmp_path
         pytest.skip("this transformers has minimax_m3_vl itself (vLLM 0.13 pins transformers < 5)")
     from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
 
-    from minimax_m3.neuron import vllm_plugin
+    from minimax_m3.neuron.vllm import plugin as vllm_plugin
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig
 
     from pathlib import Path

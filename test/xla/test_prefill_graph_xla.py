@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from minimax_m3 import ops
-from minimax_m3.neuron import hlo_cost, hlo_schema
+from minimax_m3.graphs import hlo_cost, hlo_schema
 
 from .conftest import torch_xla
 

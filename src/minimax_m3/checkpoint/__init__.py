@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import M3Config
+from ..config.m3 import M3Config
 from .reader import CheckpointError, CheckpointReader
 from .source import Source
 

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ..config import M3Config
+from ..config.m3 import M3Config
 from .reader import CheckpointError
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .._atomic import atomic_path, move_into_place, write_atomic
-from ..config import M3Config
+from ..config.m3 import M3Config
 from .direct import DirectFile
 from .pipeline import Opener, ShapeError, file_crc, write_shard
 from .mapping import BF16, REFERENCE, RuleTable, _sources, apply_rule, layer_units, target_name, unit_rules

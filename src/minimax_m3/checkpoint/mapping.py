@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..config import M3Config
+from ..config.m3 import M3Config
 
 LM = "language_model.model"
 ATT = LM + ".layers.{L}.self_attn"

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from ..config import M3Config
+from ..config.m3 import M3Config
 from .mapping import ATT, LM, MOE, Rule, _applies, _cat0, _experts_down, _experts_gate_up, _ident
 
 FP32 = True

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from .._atomic import move_into_place
-from ..config import M3Config
+from ..config.m3 import M3Config
 from . import formats as F
 from .mapping import release_shapes
 from .toy_tokenizer import write_toy_tokenizer

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, M3Config
+from ..config.m3 import ConfigError, M3Config
 from .mapping import SKIPS, release_shapes
 from .reader import DTYPE_NAMES, CheckpointError, CheckpointReader
 from .source import FLOATS, Source

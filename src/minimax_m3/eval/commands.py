@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..backends import load_engine
+from ..load import load_engine
 from ..errors import M3Error
-from ..spec import add_engine_options, spec_from_args
+from ..engine.spec import add_engine_options, spec_from_args
 
 
 class LongBenchRunError(M3Error, ValueError):
@@ -80,7 +80,7 @@ def run_meta(args) -> dict:
 def server_engine(args):
     """``--server``: the runner's engine over an OpenAI-compatible server; engine options other than --model and
     --max-seq-len (used when the server reports no max_model_len) do not apply."""
-    from ..config import M3Config
+    from ..config.m3 import M3Config
     from .server import ServerEngine
 
     if args.backend != "reference" or args.device:

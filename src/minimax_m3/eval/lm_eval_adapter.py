@@ -16,7 +16,7 @@ from __future__ import annotations
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from ..engine import GenerationConfig
+from ..engine.loop import GenerationConfig
 from .protocol import middle_truncate_v1
 
 
@@ -53,7 +53,7 @@ class MiniMaxM3LM(LM):
             kw = {k: v for k, v in given if v is not None}
             if kw.get("max_seq_len") is not None:
                 kw["max_seq_len"] = int(kw["max_seq_len"])
-            from ..backends import load_engine
+            from ..load import load_engine
 
             engine = load_engine(str(pretrained), backend=backend, **kw)
         if tokenizer is None or isinstance(tokenizer, str):

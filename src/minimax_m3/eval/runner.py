@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .._atomic import write_atomic
-from ..engine import GenerationConfig
+from ..engine.loop import GenerationConfig
 from . import data as lbdata
 from .data import LongBenchDataError
 from .protocol import (

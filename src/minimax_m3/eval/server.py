@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Sequence
 
-from ..engine import GenerationConfig, GenerationResult
+from ..engine.loop import GenerationConfig, GenerationResult
 from ..errors import M3Error
 
 

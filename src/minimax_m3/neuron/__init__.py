@@ -15,7 +15,7 @@ _EXPORTS = {
     "NeuronMiniMaxM3Attention": "attention", "M3Router": "moe", "M3ExpertMLPs": "moe",
     "initialize_m3_moe_module": "moe", "M3KVCacheManager": "kv_cache", "NeuronMiniMaxM3Model": "model",
     "NeuronMiniMaxM3ForCausalLM": "model", "NeuronMiniMaxM3DecoderLayer": "model",
-    "NeuronEngine": "engine", "build_neuron_config": "engine",
+    "NeuronEngine": "provider", "build_neuron_config": "build",
 }
 
 
@@ -26,10 +26,10 @@ def __getattr__(name: str):
 
 
 def load_neuron_engine(spec):
-    """The :class:`minimax_m3.engine.Engine` of an :class:`minimax_m3.spec.EngineSpec` over NxDI: compiled NEFFs
+    """The :class:`minimax_m3.engine.Engine` of an :class:`minimax_m3.engine.spec.EngineSpec` over NxDI: compiled NEFFs
     (``neuron``, at ``spec.artifact_dir()``) or NxDI's CPU mode (``neuron-cpu``, ``to_cpu()``)."""
-    engine = _import("engine")  # without the SDK: one NeuronUnavailableError saying what to install
-    from ..config import M3Config
+    engine = _import("provider")  # without the SDK: one NeuronUnavailableError saying what to install
+    from ..config.m3 import M3Config
 
     return engine.load(spec.validate(M3Config.from_pretrained(spec.model)))
 

@@ -1,7 +1,7 @@
 """``minimax-m3 compile``: the CLI face of :mod:`minimax_m3.neuron.compile` (imports NxDI only when run).
 
 ``minimax-m3 generate --backend neuron`` with the same engine options loads what this wrote: both go through
-:class:`minimax_m3.spec.EngineSpec`, whose ``artifact_dir()`` names the compiled directory.
+:class:`minimax_m3.engine.spec.EngineSpec`, whose ``artifact_dir()`` names the compiled directory.
 """
 
 from __future__ import annotations
@@ -25,6 +25,3 @@ def register(subparsers) -> None:
                                               "generate and print TTFT/ITL; --synthetic for a TP=2 smoke check")
     add_args(p)
     p.set_defaults(func=_run)
-    from . import graphs  # protobuf + stdlib only: works without the Neuron SDK
-
-    graphs.register(subparsers)

@@ -12,9 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..config import ConfigError, M3Config
-from ..spec import DEFAULT_CONTEXT_BUCKETS, EngineSpec, SpecError, add_engine_options, context_buckets, \
-    spec_from_args, token_buckets
+from ..config.m3 import ConfigError, M3Config
+from ..engine.spec import (
+    DEFAULT_CONTEXT_BUCKETS, EngineSpec, SpecError, add_engine_options, context_buckets, spec_from_args, token_buckets,
+)
 
 __all__ = ["DEFAULT_CONTEXT_BUCKETS", "TRN2", "add_args", "check_dry_run", "compile_spec", "context_buckets", "main",
            "run", "token_buckets"]
@@ -58,7 +59,7 @@ def compile_spec(args) -> EngineSpec:
 
 def vllm_spec(args) -> EngineSpec:
     """``--for-vllm``: the resolved serving spec of compile's options (``neuron.vllm_artifact.vllm_spec``)."""
-    from . import vllm_artifact
+    from .vllm import artifact as vllm_artifact
 
     spec = compile_spec(args)
     return vllm_artifact.vllm_spec(spec, _config(spec.model))
@@ -72,7 +73,7 @@ def check_backend(args) -> None:
 def check_dry_run(args):
     """The layout checks of ``--dry-run``, without importing NxDI: the resolved spec and the model config, or one
     error listing every problem."""
-    from .dry_run import check_layout
+    from .trace import check_layout
 
     spec = compile_spec(args)
     config = _config(spec.model)
@@ -90,13 +91,14 @@ def check_dry_run(args):
 
 
 def run(args) -> int:
-    from ..engine import GenerationConfig
-    from .engine import application, inference_config, load
+    from ..engine.loop import GenerationConfig
+    from .build import application, inference_config
+    from .provider import load
 
     if args.dry_run:
         return _dry_run(args)
     if getattr(args, "for_vllm", False):
-        from .vllm_artifact import compile_for_vllm
+        from .vllm.artifact import compile_for_vllm
 
         return compile_for_vllm(vllm_spec(args), args.compiled)
     spec = compile_spec(args)
@@ -133,8 +135,8 @@ def _config(model: str | None) -> M3Config | None:
 
 
 def _dry_run(args) -> int:
-    from . import dry_run
-    from .engine import inference_config
+    from . import trace as dry_run
+    from .build import inference_config
     from .model import NeuronMiniMaxM3ForCausalLM
 
     spec, config = check_dry_run(args)
@@ -147,7 +149,7 @@ def _dry_run(args) -> int:
     print(f"traced {len(ctx)} context-encoding bucket(s) {ctx} and {len(tkg)} token-generation bucket(s) {tkg} "
           f"at TP {spec.tp} / EP {spec.ep} / LNC {spec.lnc} in {time.perf_counter() - t0:.1f} s -> {manifest}")
     try:
-        from . import graphs
+        from ..graphs import report as graphs
     except ImportError:
         return 0
     print(graphs.format_report([graphs.analyze_dir(out)]))

@@ -15,8 +15,8 @@ import torch
 from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig
 from neuronx_distributed_inference.modules.autobucketing import generate_buckets_for_tkg
 
-from .. import sharding
-from ..config import M3Config
+from ..config import sharding
+from ..config.m3 import M3Config
 from ..errors import ServingError
 
 log = logging.getLogger(__name__)

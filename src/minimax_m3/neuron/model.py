@@ -261,3 +261,18 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
         if self.neuron_config.scratchpad_page_size:
             args += f" --hbm-scratchpad-page-size={self.neuron_config.scratchpad_page_size}"
         return args
+
+
+class AllPositionsModel(NeuronMiniMaxM3Model):
+    """The traced model of a ``prefill_all_logits`` build: NxDI's ``NeuronBaseModel.forward`` gathers the last
+    real token's hidden state before the LM head unless ``sliced_hidden`` says a sequence-parallel gather already
+    did; set from the start, the LM head runs on every position of the bucket (one position in decode, as
+    before)."""
+
+    def __init__(self, config, optimize_inference: bool = True):
+        super().__init__(config, optimize_inference)
+        self.sliced_hidden = True
+
+
+class AllPositionsForCausalLM(NeuronMiniMaxM3ForCausalLM):
+    _model_cls = AllPositionsModel

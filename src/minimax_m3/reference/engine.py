@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from .. import storage
-from ..config import M3Config
-from ..engine import Engine, EngineInputError
-from ..spec import EngineSpec
+from ..config.m3 import M3Config
+from ..engine.loop import Engine, EngineInputError
+from ..engine.spec import EngineSpec
 from .loader import load_model
 from .model import M3Model
 from .parallel import ShardPlan, init_distributed

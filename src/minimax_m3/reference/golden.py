@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from .._atomic import atomic_path
-from ..engine import Engine, EngineInputError, GenerationConfig
+from ..engine.loop import Engine, EngineInputError, GenerationConfig
 
 
 def read_prompts(path: str | Path) -> list[list[int]]:

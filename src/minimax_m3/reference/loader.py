@@ -13,7 +13,7 @@ import torch
 from .. import ops
 from ..checkpoint import open_source
 from ..checkpoint.mapping import apply_rule, layer_units, target_name, unit_rules
-from ..config import M3Config
+from ..config.m3 import M3Config
 from .model import M3Model
 from .parallel import ShardPlan
 

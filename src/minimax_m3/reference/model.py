@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from dataclasses import dataclass
 
 from .. import ops
-from ..config import M3Config
+from ..config.m3 import M3Config
 from . import fast
 from .cache import KVCache
 from .moe import routed_experts

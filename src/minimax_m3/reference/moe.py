@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..config import M3Config
+from ..config.m3 import M3Config
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 

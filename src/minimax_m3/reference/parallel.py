@@ -27,8 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .. import sharding
-from ..config import M3Config
+from ..config import sharding
+from ..config.m3 import M3Config
 
 
 def create_local_weight(full: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1) -> torch.Tensor:

@@ -8,7 +8,7 @@ config comes from ``dir/neuron_config.json`` (``override_neuron_config`` is then
 .safetensors`` (without it NxDI would shard from the model path, which is ``dir`` there: no checkpoint).
 
 So the artifact is NxDI's ``compile()`` of the config vllm-neuron itself builds for the serving command line:
-:func:`minimax_m3.neuron.vllm_plugin.vllm_neuron_config` (vllm-neuron's own functions when importable) with an
+:func:`minimax_m3.neuron.vllm.plugin.vllm_neuron_config` (vllm-neuron's own functions when importable) with an
 ``override_neuron_config`` taken from the engine's translation of the same spec (:func:`serving_override`: the
 layout fields vllm-neuron leaves to the override), and NxDI's ``load_pretrained_config`` as vllm-neuron calls it.
 """
@@ -20,8 +20,8 @@ import json
 import shlex
 import time
 
-from ..config import ConfigError, M3Config
-from ..spec import EngineSpec, SpecError
+from ...config.m3 import ConfigError, M3Config
+from ...engine.spec import EngineSpec, SpecError
 
 # the engine's NxDI fields vllm-neuron does not set itself (the rest it derives from the vLLM flags)
 OVERRIDE_FIELDS = ("moe_ep_degree", "logical_nc_config", "context_encoding_buckets", "token_generation_buckets",
@@ -65,9 +65,9 @@ def serving_override(spec: EngineSpec) -> dict:
     """The ``override_neuron_config`` that makes vllm-neuron's neuron config carry the engine's layout for
     ``spec``: each of :data:`OVERRIDE_FIELDS` where the engine's value (``neuron.engine.neuron_config``) differs
     from what vllm-neuron's defaults give (of a nested config, the fields that differ)."""
-    from . import vllm_plugin
-    from .config import MiniMaxM3NeuronConfig
-    from .engine import neuron_config
+    from . import plugin as vllm_plugin
+    from ..config import MiniMaxM3NeuronConfig
+    from ..build import neuron_config
 
     engine = _json_form(neuron_config(spec))
     plain = _json_form(MiniMaxM3NeuronConfig(**vllm_plugin.vllm_neuron_config(**_flags(spec), override={})))
@@ -90,8 +90,8 @@ def vllm_inference_config(spec: EngineSpec, override: dict):
     """The NxDI config vllm-neuron builds for ``spec``'s ``vllm serve`` command line (see module doc)."""
     from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
 
-    from . import vllm_plugin
-    from .config import MiniMaxM3InferenceConfig
+    from . import plugin as vllm_plugin
+    from ..config import MiniMaxM3InferenceConfig
 
     vllm_plugin.register_config()  # what the plugin does in vLLM's processes: config.json through AutoConfig
     kw = vllm_plugin.vllm_neuron_config(**_flags(spec), override=override)
@@ -117,7 +117,7 @@ def compile_for_vllm(spec: EngineSpec, compiled: str | None = None) -> int:
     """NxDI's compile of vllm-neuron's config for the serving ``spec`` (:func:`vllm_spec`) into ``compiled``
     (default: the spec's directory + ``-vllm``); in CPU mode (``--backend neuron-cpu``: no NEFFs) only the config,
     for the off-device test."""
-    from .model import NeuronMiniMaxM3ForCausalLM
+    from ..model import NeuronMiniMaxM3ForCausalLM
 
     override = serving_override(spec)
     cfg = vllm_inference_config(spec, override)

@@ -22,9 +22,9 @@ import json
 import os
 from pathlib import Path
 
-from .. import sharding
+from ..config import sharding
 from .._atomic import write_atomic
-from ..config import ConfigError, M3Config
+from ..config.m3 import ConfigError, M3Config
 
 ROLES = {0: "input", 1: "state", 2: "weight"}  # metaneff MetaTensor.Type: USER_INPUT, INPUT_STATE, INPUT_WEIGHT
 

@@ -31,11 +31,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ._storage_base import (  # noqa: F401  (re-exported: the public names live here)
+from .manifest import (  # noqa: F401  (re-exported: the public names live here)
     LISTING_SOURCE, LOCK_NAME, MANIFEST_FORMAT, MANIFEST_NAME, STAGING_NAME, UPLOADING_NAME, AccessDeniedError,
-    BucketNotFoundError, DirLock, IncompleteUploadError, IntegrityError, InvalidURIError, Journal,
-    ObjectNotFoundError, StorageError, TransferInterruptedError, build_manifest, clear_temporaries, etag_md5,
-    file_digests, is_complete, manifest_bytes, parse_manifest, read_local_manifest, sha256_file, write_atomic,
+    BucketNotFoundError, DirLock, IncompleteUploadError, IntegrityError, InvalidURIError, Journal, ObjectNotFoundError,
+    StorageError, TransferInterruptedError, build_manifest, clear_temporaries, etag_md5, file_digests, is_complete,
+    manifest_bytes, parse_manifest, read_local_manifest, sha256_file, write_atomic,
 )
 
 
@@ -104,7 +104,7 @@ def download(uri: str, dest_dir: str | os.PathLike, *, quiet: bool = False, reha
     what is missing. ``config`` is an optional ``boto3.s3.transfer.TransferConfig``; ``client`` an
     optional boto3 S3 client.
     """
-    from . import _s3
+    from . import s3 as _s3
 
     bucket, prefix = parse_s3_uri(uri)
     dest = Path(dest_dir).expanduser()
@@ -151,7 +151,7 @@ def upload(local_dir: str | os.PathLike, uri: str, *, quiet: bool = False, clien
     Objects already holding the right bytes (same size and ``sha256`` metadata) are skipped, so an
     interrupted upload is resumed by running it again. Returns the manifest.
     """
-    from . import _s3
+    from . import s3 as _s3
 
     bucket, prefix = parse_s3_uri(uri)
     man = build_manifest(local_dir)
@@ -168,7 +168,7 @@ def read_bytes(uri: str | os.PathLike, *, client: Any = None) -> bytes:
         if not path.is_file():
             raise ObjectNotFoundError(f"{path} is not a file; pass an existing file path")
         return path.read_bytes()
-    from . import _s3
+    from . import s3 as _s3
 
     bucket, key = parse_s3_uri(str(uri))
     return _s3.get_object(client or _s3.make_client(), bucket, key, str(uri))
@@ -203,7 +203,7 @@ def check_upload_target(uri: str | None, *, client: Any = None) -> None:
     """Fail early (before an hour-long compile) if ``uri``'s bucket is missing or not reachable."""
     if uri is None:
         return
-    from . import _s3
+    from . import s3 as _s3
 
     bucket, _ = parse_s3_uri(uri)
     _s3.head_bucket(client or _s3.make_client(), bucket, uri)

@@ -34,10 +34,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from .. import sharding
-from ..config import M3Config
-from ..errors import M3Error
-from ..ops.prefill import PREFILL_CHUNKS, PREFILL_MAX_CHUNK, chunk_for
+from .config import sharding
+from .config.m3 import M3Config
+from .errors import M3Error
+from .ops.prefill import PREFILL_CHUNKS, PREFILL_MAX_CHUNK, chunk_for
 
 GIB = 1024 ** 3
 HBM_PER_RANK_GIB = 24.0  # trn2 at LNC=2: one logical core's share of HBM

@@ -4,8 +4,8 @@ A dry-run directory holds ``dry_run.json`` (layout, model config, and per submod
 path and its parameters' roles) and the modules. For every graph this prints, per rank, what the module
 computes (dot FLOPs by class), reads per step (weights, and the dense layers' K/V, sparse layers' K/V and
 index-K caches), copies (full-size state copies) and reduces (collectives), next to the analytic minimum of
-:mod:`minimax_m3.neuron.plan` for the same shapes, and refreshes ``DIR/graphs.json`` with the same figures.
-How each figure is counted: :mod:`minimax_m3.neuron.hlo_cost`. Needs protobuf and the standard library only.
+:mod:`minimax_m3.planner` for the same shapes, and refreshes ``DIR/graphs.json`` with the same figures.
+How each figure is counted: :mod:`minimax_m3.graphs.hlo_cost`. Needs protobuf and the standard library only.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from .._atomic import write_atomic
-from ..config import ConfigError, M3Config
-from . import hlo_cost, hlo_schema, plan
+from ..config.m3 import ConfigError, M3Config
+from . import hlo_cost, hlo_schema
+from .. import planner as plan
 from ..errors import M3Error
 
 MANIFEST = "dry_run.json"

@@ -16,10 +16,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import sharding
-from ._atomic import write_atomic
-from .config import ConfigError, M3Config
-from .errors import M3Error
+from ..config import sharding
+from .._atomic import write_atomic
+from ..config.m3 import ConfigError, M3Config
+from ..errors import M3Error
 
 BACKENDS = ("reference", "neuron", "neuron-cpu")
 DTYPES = ("float32", "bfloat16")

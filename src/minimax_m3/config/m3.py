@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import M3Error
+from ..errors import M3Error
 
 
 class ConfigError(M3Error, ValueError):

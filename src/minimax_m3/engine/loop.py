@@ -5,7 +5,7 @@ A backend is a *step provider*: it prefills prompts into cache slots and decodes
 returning logits (or, with on-device sampling, chosen token ids). The loop here does everything else the same way
 on every backend: input checks, batching and continuous admission into free slots, per-sequence seeded sampling,
 EOS and stop sequences, ``return_logits`` and the timing fields. :func:`load_engine` builds an engine from an
-:class:`~minimax_m3.spec.EngineSpec` (in :mod:`minimax_m3.backends`, the one module that knows every backend).
+:class:`~minimax_m3.engine.spec.EngineSpec` (in :mod:`minimax_m3.load`, the one module that knows every backend).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Protocol, Sequence, Union
 
 import torch
 
-from . import ops
-from .config import M3Config
-from .errors import M3Error
+from .. import ops
+from ..config.m3 import M3Config
+from ..errors import M3Error
 from .spec import BACKENDS, EngineSpec
 
 __all__ = ["BACKENDS", "Engine", "EngineInputError", "EngineSpec", "GenerationConfig", "GenerationResult",

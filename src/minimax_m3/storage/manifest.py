@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ._atomic import write_atomic  # noqa: F401  (re-exported through storage)
-from .errors import M3Error
+from .._atomic import write_atomic  # noqa: F401  (re-exported through storage)
+from ..errors import M3Error
 
 MANIFEST_NAME = "minimax-m3-manifest.json"
 MANIFEST_FORMAT = "minimax-m3-manifest/1"

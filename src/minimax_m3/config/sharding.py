@@ -10,7 +10,7 @@ splits over the group's ``moe_tp`` ranks; dense MLPs and the shared expert split
 
 from __future__ import annotations
 
-from .config import M3Config
+from .m3 import M3Config
 
 
 def heads_per_rank(heads: int, tp: int) -> int:

@@ -29,8 +29,8 @@ from types import SimpleNamespace
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..config import M3Config
-from ..errors import ServingError
+from ...config.m3 import M3Config
+from ...errors import ServingError
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def register() -> None:
 
 
 def register_nxdi_model() -> None:
-    from .model import NeuronMiniMaxM3ForCausalLM
+    from ..model import NeuronMiniMaxM3ForCausalLM
 
     model, task = NXDI_MODEL_KEY
     nxdi_model_types().setdefault(model, {})[task] = NeuronMiniMaxM3ForCausalLM

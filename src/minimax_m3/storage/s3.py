@@ -26,13 +26,13 @@ try:
     from s3transfer.manager import TransferManager
     from s3transfer.subscribers import BaseSubscriber
 except ImportError as e:  # pragma: no cover - exercised only without the s3 extra
-    from ._storage_base import StorageError
+    from .manifest import StorageError
 
     raise StorageError(f"s3:// URIs need boto3 ({e}); install it: pip install 'minimax-m3-neuron[s3]'") from None
 from tqdm import tqdm
 
-from ._atomic import move_into_place
-from ._storage_base import (
+from .._atomic import move_into_place
+from .manifest import (
     _INTERNAL, MANIFEST_NAME, UPLOADING_NAME, AccessDeniedError, BucketNotFoundError, IncompleteUploadError,
     IntegrityError, Journal, ObjectNotFoundError, StorageError, TransferInterruptedError, _hash_workers, etag_md5,
     file_digests, unsafe_path,

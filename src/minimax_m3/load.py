@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from . import storage
-from .engine import Engine
-from .spec import BACKENDS, EngineSpec, SpecError, spec_from_kwargs
+from .engine.loop import Engine
+from .engine.spec import BACKENDS, EngineSpec, SpecError, spec_from_kwargs
 
 __all__ = ["load_engine"]
 
