@@ -195,3 +195,54 @@ def test_walk_counts_function_level_imports(tmp_path):
     (pkg / "convert.py").write_text("def g():\n    from .audit import audit\n")
     g = import_graph(tmp_path)
     assert cycles(g) == [["minimax_m3.checkpoint.audit", "minimax_m3.checkpoint.convert"]]
+
+
+# ---- the house plan's tree is the package's tree -------------------------------------------------------------------
+
+ARCHITECTURE = SRC.parent / "docs" / "ARCHITECTURE.md"
+
+
+def architecture_tree(text: str) -> dict[str, set[str]]:
+    """The ``src/minimax_m3/`` tree drawn in ARCHITECTURE.md: folder ('' = the package root) -> the entries it lists.
+
+    A line's names are its leading words up to a run of two spaces (``errors.py _atomic.py   M3Error ...``); two
+    spaces of indent is the package root, four a file of the folder named last. A folder whose files are not drawn
+    lists nothing below itself and is only checked to exist."""
+    block = text.split("```\nsrc/minimax_m3/\n", 1)[1].split("```", 1)[0]
+    tree: dict[str, set[str]] = {"": set()}
+    folder = ""
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        names = [n for n in line.strip().split("  ", 1)[0].split(" ") if n.endswith((".py", "/"))]
+        if not names or indent not in (2, 4):
+            continue  # a wrapped description
+        if indent == 2:
+            tree[""].update(names)
+            folder = names[-1] if names[-1].endswith("/") else ""
+        elif folder:
+            tree.setdefault(folder, set()).update(names)
+    return tree
+
+
+def package_tree(folder: Path) -> set[str]:
+    return {p.name + "/" if p.is_dir() else p.name for p in folder.iterdir()
+            if p.name != "__pycache__" and (p.is_dir() or p.suffix == ".py") and p.name != "__init__.py"}
+
+
+def test_the_architecture_tree_is_the_package_tree():
+    drawn = architecture_tree(ARCHITECTURE.read_text())
+    pkg = SRC / ROOT
+    problems = []
+    for folder, names in drawn.items():
+        have = package_tree(pkg / folder) | ({"__init__.py"} if folder == "" else set())
+        missing, undrawn = sorted(names - have), sorted(have - names)
+        problems += [f"{folder or 'src/minimax_m3/'}: drawn but absent: {missing}"] if missing else []
+        problems += [f"{folder or 'src/minimax_m3/'}: present but not drawn: {undrawn}"] if undrawn else []
+    assert not problems, "docs/ARCHITECTURE.md's tree differs from the package:\n" + "\n".join(problems)
+
+
+def test_architecture_tree_reader_on_a_hand_drawing():
+    text = ("```\nsrc/minimax_m3/\n  cli.py       the command\n  neuron/      the port:\n    a.py b.py    two\n"
+            "                 a wrapped line\n  errors.py _atomic.py   leaves\n```\n")
+    assert architecture_tree(text) == {"": {"cli.py", "neuron/", "errors.py", "_atomic.py"},
+                                       "neuron/": {"a.py", "b.py"}}
