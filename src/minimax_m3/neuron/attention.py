@@ -8,7 +8,7 @@
   the single index-K head (replicated).
 * Prefill: ``perform_prefill`` → ``ops.prefill_step`` in query chunks (``ops.chunk_for``): ``prefill_chunks`` (8)
   chunks up to ``prefill_chunks x prefill_max_chunk`` tokens (32K), then chunks of ``prefill_max_chunk`` (4096)
-  queries, which bounds one chunk's gathered K/V (the chunk loop is unrolled into the graph: see README).
+  queries, which bounds one chunk's gathered K/V (the chunk loop is unrolled into the graph: see docs/neuron.md).
   Sparse layers: per chunk the indexer scores the keys up to the chunk's end (top-k through the SDK's ``TopK`` op
   on device) and each query attends only to its gathered top-k blocks (block-sparse FLOPs). Dense layers: NxDI's
   flash-attention kernel (boolean causal mask) where NxDI's strategy picks it (device builds with the CTE attention

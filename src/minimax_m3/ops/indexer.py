@@ -26,7 +26,8 @@ def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, 
     sk = ik.shape[1]
     # the G index heads stacked as rows of one product: the shared index keys are read once, never copied. The
     # product runs in the inputs' dtype (bf16 on device: TensorE's full rate, fp32 accumulation), the scores are
-    # then float32; measured against transformers' fp32 products in bf16 runs: the same greedy agreement (README)
+    # then float32; measured against transformers' fp32 products in bf16 runs: the same greedy agreement
+    # (docs/results.md "Reference accuracy")
     rows = iq.reshape(b, g * tq, -1)
     if g * tq <= FEW_ROWS:
         scores = torch.matmul(ik, rows.transpose(-1, -2)).transpose(-1, -2).reshape(b, g, tq, sk).float()

@@ -24,9 +24,9 @@ from .indexer import index_block_scores, select_blocks
 
 # The chunk rule the Neuron port runs and ``minimax-m3 plan`` models (its one home): up to PREFILL_CHUNKS x
 # PREFILL_MAX_CHUNK tokens (32K) a prefill takes PREFILL_CHUNKS chunks, so the context-encoding graph's size does not
-# grow with the bucket up to 32K (the chunk loop is unrolled: README "Sparse prefill on trn2"); longer ones take chunks
-# of PREFILL_MAX_CHUNK queries. 4096 is the largest cap whose chunk (4.57 GiB per rank at 32K: gathered K/V, scores,
-# index scores) keeps 32K at batch 1 within a trn2 rank's HBM by the planner (23.39 of 24 GiB).
+# grow with the bucket up to 32K (the chunk loop is unrolled: docs/neuron.md "Sparse prefill in query chunks"); longer
+# ones take chunks of PREFILL_MAX_CHUNK queries. 4096 is the largest cap whose chunk (4.57 GiB per rank at 32K:
+# gathered K/V, scores, index scores) keeps 32K at batch 1 within a trn2 rank's HBM by the planner (23.39 of 24 GiB).
 PREFILL_CHUNKS = 8
 PREFILL_MAX_CHUNK = 4096
 
