@@ -1,0 +1,38 @@
+"""Capacity planner: per-rank HBM, decode floor and TTFT of a TP x EP layout, before anyone spends two hours
+compiling.
+
+``minimax-m3 plan --tp 64 --ep 64 --batch 1 --seq 1048576 [--layout sharded|replicated] [--chunk C]
+[--weights bf16|fp8]`` prints, for one rank (a logical NeuronCore; trn2.48xlarge at LNC=2 has 64 of them with 24 GiB
+HBM each): the bytes of weights, KV and index-K caches, prefill working memory and a runtime reserve
+(:mod:`.memory`, which lists each term); the decode HBM floor and a TTFT estimate (:mod:`.cost`: FLOP, HBM and link
+time per prefill call, plus a fixed latency per collective); the sharded layout's collectives per layer
+(:func:`collectives`); both layouts side by side for contexts 4K..1M; the largest context and batch that fit
+(:mod:`.fit`, which also holds :func:`require_fit`, the check a compile runs first).
+
+Layouts: ``replicated`` is what today's port runs (``PORT_LAYOUT``: the library's default and the graph report's
+minimum until the port switches); ``sharded`` is issue 23's (caches split over the G ranks of a KV group, prompts
+prefilled in calls of C tokens). Arithmetic from the config, not a measurement: nothing here has run on Trainium.
+Pure Python; it imports nothing from NxDI.
+"""
+
+from .cli import add_arguments, format_plan, main, register, run
+from .cost import (COLLECTIVE_LATENCY_S, LINK_BYTES_PER_S, PEAK_FLOPS_PER_S, Ttft, chunk_bytes, chunk_flops,
+                   collectives, decode_floor_ms, decode_minimum_bytes, link_seconds, prefill_flops, ttft,
+                   weights_read)
+from .fit import FitError, largest_batch, largest_context, require_fit
+from .memory import (BF16, FP8, FP32, GIB, HBM_BYTES_PER_S, HBM_PER_RANK_GIB, INT64, LAYOUTS, MAX_CHUNK,
+                     PORT_LAYOUT, SHARD_ON_I_MULTIPLE, ChunkError, MemoryPlan, PlanError, attention_chunk_bytes,
+                     cache_bytes, cache_multiple, cache_tokens, chunk_choices, chunk_problems, group_size,
+                     moe_bytes, plan, prefill_chunk, prefill_persistent_bytes, prefill_phases,
+                     sharded_attention_bytes, weight_bytes)
+
+__all__ = [
+    "BF16", "COLLECTIVE_LATENCY_S", "FP8", "FP32", "GIB", "HBM_BYTES_PER_S", "HBM_PER_RANK_GIB", "INT64", "LAYOUTS",
+    "LINK_BYTES_PER_S", "MAX_CHUNK", "PEAK_FLOPS_PER_S", "PORT_LAYOUT", "SHARD_ON_I_MULTIPLE", "ChunkError",
+    "FitError", "MemoryPlan", "PlanError", "Ttft", "add_arguments", "attention_chunk_bytes", "cache_bytes",
+    "cache_multiple", "cache_tokens", "chunk_bytes", "chunk_choices", "chunk_flops", "chunk_problems", "collectives",
+    "decode_floor_ms", "decode_minimum_bytes", "format_plan", "group_size", "largest_batch", "largest_context",
+    "link_seconds", "main", "moe_bytes", "plan", "prefill_chunk", "prefill_flops", "prefill_persistent_bytes",
+    "prefill_phases", "register", "require_fit", "run", "sharded_attention_bytes", "ttft", "weight_bytes",
+    "weights_read",
+]

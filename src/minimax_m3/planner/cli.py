@@ -1,0 +1,178 @@
+"""``minimax-m3 plan``: the plan of one layout at ``--batch`` / ``--seq``, the sharded layout's collectives, both
+layouts side by side for contexts 4K..1M, and the largest context and batch that fit."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import sharding
+from ..config.m3 import M3Config
+from .cost import COLLECTIVE_LATENCY_S, HBM_BYTES_PER_S, PEAK_FLOPS_PER_S, collectives, decode_floor_ms, \
+    link_seconds, ttft
+from .fit import largest_batch, largest_context
+from .memory import GIB, HBM_PER_RANK_GIB, LAYOUTS, ChunkError, MemoryPlan, PlanError, cache_tokens, plan, \
+    weight_bytes
+
+CONTEXTS = (4096, 32768, 131072, 524288, 1048576)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _ctx(n: int) -> str:
+    return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}K" if n % 1024 == 0 else str(n)
+
+
+def format_ttft(c: M3Config, p: MemoryPlan) -> str:
+    t = ttft(c, p.tp, p.ep, p.seq, p.layout, p.chunk if p.layout == "sharded" else None, p.weights, p.kv_dtype)
+    calls = (f"{t.calls} call{'s' if t.calls > 1 else ''} of {t.chunk} tokens" if p.layout == "sharded" else
+             f"one call of {t.chunk} tokens")
+    return (f"TTFT estimate, a {p.seq}-token prompt: {t.total_s:.2f} s ({calls}; summed FLOP {t.flop_s:.2f} s at "
+            f"{PEAK_FLOPS_PER_S / 1e12:.0f} TFLOP/s, HBM {t.hbm_s:.2f} s, link {t.link_s:.2f} s; the larger per call: "
+            f"{t.bound_s:.2f} s; + {t.collectives} collectives x {COLLECTIVE_LATENCY_S * 1e6:.0f} us = "
+            f"{t.latency_s:.2f} s)")
+
+
+def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None) -> str:
+    gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
+    lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={sharding.moe_tp(p.tp, p.ep)}), batch={p.batch}, seq={p.seq}, "
+             f"prefill batch={p.ctx_batch}, weights {p.weights}, KV {p.kv_dtype}, {p.layout} caches; per rank:"]
+    lines.append(f"  weights              {gib(p.weight_bytes)}")
+    for name, n in (parts or {}).items():
+        lines.append(f"    {name:<19}{gib(n)}")
+    what = f"{p.chunk} queries" if p.layout == "replicated" else f"one call of {p.chunk} tokens"
+    lines += [
+        f"  KV cache             {gib(p.kv_bytes)}",
+        f"  index-K cache        {gib(p.index_k_bytes)}",
+        f"  prefill working mem  {gib(p.prefill_bytes)}  (activations + the larger of:)",
+        *(f"    {name + (f' ({what})' if name.startswith('attention') else ''):<36}{gib(n)}" for name, n in p.phases),
+        f"  runtime reserve      {gib(p.reserve_bytes)}  (assumed)",
+        f"  total                {gib(p.total_bytes)}  of {p.hbm_bytes / GIB:.2f} GiB per logical core",
+    ]
+    free = p.hbm_bytes - p.total_bytes
+    verdict = "FITS" if p.fits else "DOES NOT FIT"
+    lines.append(f"{verdict}: {'headroom' if p.fits else 'short by'} {abs(free) / GIB:.2f} GiB")
+    floor = decode_floor_ms(c, p.tp, p.ep, p.batch, cache_tokens(c, p.tp, p.seq, p.layout), p.weights, p.kv_dtype,
+                            p.layout)
+    n = sum(r["count"] for r in collectives(c, p.tp, p.ep, p.batch, p.layout))
+    lines.append(f"decode HBM floor at batch {p.batch}, {p.seq} tokens: {floor:.2f} ms per step "
+                 f"(bytes a step must read / {HBM_BYTES_PER_S / 1e9:.0f} GB/s); not in it: {n} collectives x "
+                 f"{COLLECTIVE_LATENCY_S * 1e6:.0f} us = {n * COLLECTIVE_LATENCY_S * 1e3:.2f} ms")
+    lines.append(format_ttft(c, p))
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def format_collectives(c: M3Config, tp: int, ep: int, batch: int, chunk: int) -> str:
+    """The sharded layout's collectives per pass: a decode step at ``batch`` and one prefill call of ``chunk``."""
+    dec, pre = collectives(c, tp, ep, batch, "sharded"), collectives(c, tp, ep, chunk, "sharded", logit_rows=1)
+    lines = ["collectives of the sharded layout (bytes: the full buffer on each rank; count: per pass):",
+             f"  {'':<24}{'kind':<18}{'ranks':>5}  {'dtype':<6}{'count':>5}  {f'decode b={batch}':>14}"
+             f"  {f'prefill C={chunk}':>15}"]
+    for d, p in zip(dec, pre):
+        lines.append(f"  {d['name']:<24}{d['kind']:<18}{d['ranks']:>5}  {d['dtype']:<6}{d['count']:>5}  "
+                     f"{_size(d['bytes']):>14}  {_size(p['bytes']):>15}")
+    rep = collectives(c, tp, ep, batch, "replicated")
+    for what, rows in (("decode step", dec), ("prefill call", pre), ("decode step of today's port", rep)):
+        n = sum(r["count"] for r in rows)
+        link = sum(link_seconds(r) * r["count"] for r in rows)
+        lines.append(f"  per {what}: {n} collectives, {n * COLLECTIVE_LATENCY_S * 1e3:.2f} ms at "
+                     f"{COLLECTIVE_LATENCY_S * 1e6:.0f} us each, link time {link * 1e3:.2f} ms")
+    return "\n".join(lines)
+
+
+def _cells(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, layout: str, chunk: int | None) -> str:
+    try:
+        p = plan(c, tp, ep, batch, seq, layout=layout, chunk=chunk, **kw)
+    except ChunkError:
+        return f"{'chunk > context':>38}"
+    floor = decode_floor_ms(c, tp, ep, batch, cache_tokens(c, tp, seq, layout), p.weights, p.kv_dtype, layout)
+    t = ttft(c, tp, ep, seq, layout, p.chunk if layout == "sharded" else None, p.weights, p.kv_dtype)
+    head = f"{p.chunk:>6} " if layout == "sharded" else ""
+    return f"{head}{p.total_bytes / GIB:7.2f} {'yes' if p.fits else 'no':>4} {floor:9.2f} {t.total_s:8.2f}"
+
+
+def format_table(c: M3Config, tp: int, ep: int, batch: int, kw: dict, chunk: int | None = None,
+                 contexts: tuple[int, ...] = CONTEXTS) -> str:
+    """Both layouts side by side per context: total GiB, fits, decode floor (ms), TTFT (s, prompt = context)."""
+    g = tp // c.num_kv_heads if tp > c.num_kv_heads else 1
+    lines = [f"batch {batch}, tp {tp} / ep {ep}, {kw.get('weights', 'bf16')} experts, KV {kw.get('kv_dtype', 'bf16')}"
+             f", GiB per rank of {kw.get('hbm_gib', HBM_PER_RANK_GIB):.2f}; TTFT of a prompt as long as the context:",
+             f"{'':>8} | {'replicated (today)':<32} | sharded (caches / {g}, chunked prefill)",
+             f"{'context':>8} | {'GiB':>7} {'fits':>4} {'decode ms':>9} {'TTFT s':>8} | {'chunk':>6} {'GiB':>7} "
+             f"{'fits':>4} {'decode ms':>9} {'TTFT s':>8}"]
+    for s in contexts:
+        lines.append(f"{_ctx(s):>8} | {_cells(c, tp, ep, batch, s, kw, 'replicated', None)} | "
+                     f"{_cells(c, tp, ep, batch, s, kw, 'sharded', chunk)}")
+    return "\n".join(lines)
+
+
+def format_largest(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, chunk: int | None = None) -> str:
+    ctx = {lay: largest_context(c, tp, ep, batch, layout=lay, chunk=chunk if lay == "sharded" else None, **kw)
+           for lay in LAYOUTS}
+    bat = {}
+    for lay in LAYOUTS:
+        try:
+            bat[lay] = str(largest_batch(c, tp, ep, seq, layout=lay, chunk=chunk if lay == "sharded" else None, **kw))
+        except ChunkError:
+            bat[lay] = "chunk > context"
+    return (f"largest context at batch {batch}: " + "; ".join(f"{lay} {n:,} tokens" for lay, n in ctx.items())
+            + f" (the model has {c.max_position_embeddings:,} positions)\n"
+            + f"largest batch at {seq:,} tokens: " + "; ".join(f"{lay} {n}" for lay, n in bat.items()))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--tp", type=int, default=64, help="tensor-parallel degree (ranks; default 64)")
+    ap.add_argument("--ep", type=int, default=64, help="expert-parallel degree for the MoE (default 64)")
+    ap.add_argument("--batch", type=int, required=True, help="sequences decoded together")
+    ap.add_argument("--seq", type=int, required=True, help="maximum tokens per sequence (prompt + output)")
+    ap.add_argument("--layout", choices=LAYOUTS, default="sharded",
+                    help="cache layout of the detailed plan (default sharded; replicated = today's port)")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="sharded: tokens per prefill call, a multiple of lcm(block, G) (default: chosen)")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="routed-expert weight format")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV and index-K cache dtype")
+    ap.add_argument("--ctx-batch", type=int, default=None,
+                    help="replicated: sequences prefilled together (default 1: continuous batching; B: static)")
+    ap.add_argument("--reserve-gib", type=float, default=3.0, help="runtime/scratchpad reserve (default 3)")
+    ap.add_argument("--hbm-gib", type=float, default=HBM_PER_RANK_GIB, help="HBM per rank (default 24)")
+    ap.add_argument("--config", default=None, help="config.json or checkpoint folder (default: the M3 release)")
+
+
+def run(args: argparse.Namespace) -> int:
+    c = M3Config.from_pretrained(args.config) if args.config else M3Config.preset("m3")
+    kw = dict(weights=args.weights, kv_dtype=args.kv_dtype, reserve_gib=args.reserve_gib, hbm_gib=args.hbm_gib)
+    try:
+        sharded_chunk = plan(c, args.tp, args.ep, args.batch, args.seq, layout="sharded", chunk=args.chunk,
+                             **kw).chunk
+        p = plan(c, args.tp, args.ep, args.batch, args.seq, ctx_batch=args.ctx_batch, layout=args.layout,
+                 chunk=sharded_chunk if args.layout == "sharded" else None, **kw)
+        print(format_plan(p, c, weight_bytes(c, args.tp, args.ep, args.weights)[1]))
+        print()
+        print(format_collectives(c, args.tp, args.ep, args.batch, sharded_chunk))
+        print()
+        print(format_table(c, args.tp, args.ep, args.batch, kw, args.chunk))
+        print(format_largest(c, args.tp, args.ep, args.batch, args.seq, kw, args.chunk))
+    except PlanError as e:
+        print(f"minimax-m3 plan: {e}")
+        return 2
+    return 0 if p.fits else 1
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``plan`` to the ``minimax-m3`` command; the handler is ``args.func(args)`` → exit code."""
+    ap = subparsers.add_parser("plan", help="per-rank HBM, decode floor and TTFT of a TP x EP layout on trn2 "
+                                            "(no Neuron SDK)", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    ap.set_defaults(func=run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="minimax-m3 plan")
+    add_arguments(ap)
+    return run(ap.parse_args(argv))

@@ -1,0 +1,268 @@
+"""Time floors per rank: the decode HBM floor, the prefill's FLOPs and bytes, the collectives, a TTFT estimate.
+
+Figures (trn2.48xlarge at LNC 2, one logical core = two NeuronCore-v3; ``docs/perf_anchors.md``):
+
+* HBM 725 GB/s per logical core (46.4 TB/s / 64; §0, §1.3);
+* dense BF16 167 TFLOP/s per logical core: 10.7 PFLOPS per instance / 64 logical cores (= 667 TFLOPS per chip / 4;
+  §1.1, §1.2). Every matmul is counted at the BF16 rate, fp8 experts included (weight-only fp8, dequantized);
+* NeuronLink-v3 256 GB/s per logical core (1,024 GB/s per chip within the instance / 4; §1.1), collectives moved
+  by ring algorithms: an all-gather or reduce-scatter sends ``(n - 1) / n`` of its full buffer per rank, an
+  all-reduce twice that (an assumption: intra-chip hops are counted at the same rate);
+* a fixed 25 µs per collective whatever its size (§5.5 (a): 20-25 µs per collective in a DeepSeek-V3 TP 64
+  profile; an assumption to replace by ``nccom-test`` on the target).
+
+TTFT of a prompt of S tokens = sum over its prefill calls of max(FLOP time, HBM time, link time) (each a floor, the
+three overlapped) + collectives x 25 µs. Sharded: ceil(S / C) calls of C tokens, call k attending to the keys
+< its end; replicated (today's port): one call of S tokens. Nothing here ran on Trainium.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import sharding
+from ..config.m3 import M3Config
+from .memory import (BF16, FP32, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens, group_size, prefill_chunk,
+                     weight_bytes)
+
+PEAK_FLOPS_PER_S = 10.7e15 / 64  # dense BF16 per logical core at LNC 2 (perf_anchors §1.1: 10.7 PF per instance)
+LINK_BYTES_PER_S = 1024e9 / 4  # NeuronLink-v3 per logical core (1,024 GB/s per chip within the instance, §1.1)
+COLLECTIVE_LATENCY_S = 25e-6  # fixed cost per collective (perf_anchors §5.5 (a)); an assumption
+
+
+def _causal_keys(s: int, cap: int) -> int:
+    """Sum over query positions 0..s-1 of the keys each attends to, ``min(i + 1, cap)``."""
+    if s <= cap:
+        return s * (s + 1) // 2
+    return cap * (cap + 1) // 2 + (s - cap) * cap
+
+
+def weights_read(c: M3Config, tp: int, ep: int, tokens: int, weights: str = "bf16", dtype_bytes: int = BF16
+                 ) -> dict[str, int]:
+    """Weight bytes one step over ``tokens`` tokens reads per rank: every weight of :func:`weight_bytes`, except the
+    embedding (``tokens`` rows of this rank's vocabulary shard) and the routed experts (at most ``tokens x top_k``
+    of the ``num_experts / ep`` local experts)."""
+    _, parts = weight_bytes(c, tp, ep, weights)
+    for name in parts:
+        if name != "routers (fp32)" and not (name == "routed experts" and weights == "fp8"):
+            parts[name] = parts[name] * dtype_bytes // BF16
+    vocab_rank, local = -(-c.vocab_size // tp), c.num_experts // ep
+    parts["embedding + lm_head"] = (vocab_rank + min(tokens, vocab_rank)) * c.hidden_size * dtype_bytes
+    parts["routed experts"] = parts["routed experts"] * min(local, tokens * c.top_k) // local
+    return parts
+
+
+def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weights: str = "bf16",
+                         kv_dtype: str = "bf16", dtype_bytes: int = BF16, layout: str = PORT_LAYOUT
+                         ) -> dict[str, int]:
+    """Bytes one token-generation step over caches of ``bucket`` tokens must read per rank.
+
+    * weights: :func:`weights_read` for ``batch`` tokens;
+    * sparse layers' K/V: the selected blocks, ``batch x min(topk x block, bucket) / G' x kv_heads x head_dim x 2``;
+    * index-K: ``batch x bucket / G' x index_head_dim`` per sparse layer;
+    * dense layers' K/V: ``batch x bucket / G' x kv_heads x head_dim x 2`` per dense layer;
+
+    G' = 1 for the ``replicated`` layout (today's port: what the graph report compares traced graphs against),
+    G (each rank reads its 1/G of every block and key, rounded up) for ``sharded``. ``dtype_bytes`` is the
+    model's element size (4 for a float32 trace): it scales every bf16 weight and, with ``kv_dtype="bf16"``, the
+    caches (fp32 routers and fp8 experts keep their size)."""
+    w = sum(weights_read(c, tp, ep, batch, weights, dtype_bytes).values())
+    g = group_size(c, tp) if layout == "sharded" else 1
+    kvb = dtype_bytes if kv_dtype == "bf16" else 1
+    per_token_kv = _heads(c, c.num_kv_heads, tp) * c.head_dim * 2 * kvb
+    n_sparse = sum(c.sparse_layers)
+    keys = -(-bucket // g)
+    return {
+        "weights": w,
+        "kv_sparse": batch * -(-min(c.index_topk * c.index_block_size, bucket) // g) * per_token_kv * n_sparse,
+        "index_k": batch * keys * c.index_head_dim * kvb * n_sparse,
+        "kv_dense": batch * keys * per_token_kv * (c.num_layers - n_sparse),
+    }
+
+
+def decode_floor_ms(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weights: str = "bf16",
+                    kv_dtype: str = "bf16", layout: str = PORT_LAYOUT) -> float:
+    """The HBM floor of one token-generation step: :func:`decode_minimum_bytes` at 725 GB/s per logical core."""
+    b = decode_minimum_bytes(c, tp, ep, batch, bucket, weights, kv_dtype, layout=layout)
+    return sum(b.values()) / HBM_BYTES_PER_S * 1e3
+
+
+def _per_token_flops(c: M3Config, tp: int) -> int:
+    """Dot FLOPs per token per rank outside attention, the indexer's scores and the routed experts: q, k, v, o and
+    index q, k projections, dense MLP and shared-expert shards, the fp32 router."""
+    h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
+    q, kv, iq = _heads(c, c.num_heads, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
+    n_sparse, n_moe = sum(c.sparse_layers), sum(c.moe_layers)
+    return (c.num_layers * 2 * h * (2 * q + 2 * kv) * d + n_sparse * 2 * h * (iq + 1) * di
+            + (c.num_layers - n_moe) * 6 * h * c.dense_intermediate_size // tp
+            + n_moe * (6 * h * c.shared_intermediate_size // tp + 2 * h * c.num_experts))
+
+
+def prefill_flops(c: M3Config, tp: int, ep: int, batch: int, seq: int) -> dict[str, int]:
+    """Useful dot FLOPs of one context-encoding pass of ``batch x seq`` tokens from position 0, per rank (today's
+    port: the whole prompt in one call).
+
+    * attention: sparse layers ``sum_i min(i + 1, topk x block)`` keys per query, dense layers every causal
+      key, ``x head_dim x 4`` (scores and values) per query head of this rank;
+    * indexer: all keys, ``seq^2 x index_head_dim x 2`` per index head of this rank and sparse layer;
+    * routed experts: ``tokens x top_k x 6 x hidden x intermediate`` shared by the ``tp`` ranks that hold the
+      experts (``ep`` expert groups x ``tp / ep`` shards; = "/ EP ranks" at tp = ep);
+    * rest: :func:`_per_token_flops` per token and the LM head for the last token of each sequence.
+    """
+    q, iq = _heads(c, c.num_heads, tp), _heads(c, c.index_heads, tp)
+    n_sparse = sum(c.sparse_layers)
+    keys = n_sparse * _causal_keys(seq, c.index_topk * c.index_block_size) + (c.num_layers - n_sparse) * (
+        _causal_keys(seq, seq))
+    return {
+        "attention": batch * q * c.head_dim * 4 * keys,
+        "indexer": batch * iq * seq * seq * c.index_head_dim * 2 * n_sparse,
+        "routed_experts": batch * seq * c.top_k * 6 * c.hidden_size * c.intermediate_size * sum(c.moe_layers) // tp,
+        "rest": batch * seq * _per_token_flops(c, tp) + batch * 2 * c.hidden_size * (-(-c.vocab_size // tp)),
+    }
+
+
+def chunk_flops(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int) -> dict[str, int]:
+    """Sharded layout: dot FLOPs per rank of the prefill call of ``chunk`` tokens at positions ``start..`` of a
+    ``seq``-token prompt (end ``e = min(start + chunk, seq)``). Linear layers run all ``chunk`` rows (the graph's
+    size); attention counts the real queries' causal keys (as :func:`prefill_flops`) for the rank's ``qg`` group
+    heads against its 1/G of the keys (= its own heads against all keys); the indexer scores the ``chunk``
+    queries against the rank's 1/G of the keys ``< e``."""
+    g, kv, iq = group_size(c, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
+    qg, e, n_sparse = c.q_per_kv * kv, min(start + chunk, seq), sum(c.sparse_layers)
+    cap = c.index_topk * c.index_block_size
+    keys = (n_sparse * (_causal_keys(e, cap) - _causal_keys(start, cap))
+            + (c.num_layers - n_sparse) * (_causal_keys(e, e) - _causal_keys(start, start)))
+    return {
+        "attention": qg * c.head_dim * 4 * keys // g,
+        "indexer": iq * chunk * -(-e // g) * c.index_head_dim * 2 * n_sparse,
+        "routed_experts": chunk * c.top_k * 6 * c.hidden_size * c.intermediate_size * sum(c.moe_layers) // tp,
+        "rest": chunk * _per_token_flops(c, tp) + 2 * c.hidden_size * (-(-c.vocab_size // tp)),
+    }
+
+
+def _moe_rows_read(c: M3Config, ep: int, tokens: int, moe_block: int = 512) -> int:
+    """Rows of the blockwise MoE buffers a rank reads on average: its share of the ``tokens x top_k`` assignments
+    (balanced routing) plus, per local expert, up to one partly filled block."""
+    local = c.num_experts // ep
+    return tokens * c.top_k * local // c.num_experts + local * moe_block
+
+
+def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int, weights: str = "bf16",
+                kv_dtype: str = "bf16", layout: str = "sharded", moe_block: int = 512) -> dict[str, int]:
+    """HBM bytes one prefill call reads per rank: queries ``start..start+chunk`` of a ``seq``-token prompt.
+
+    * weights: :func:`weights_read` for ``chunk`` tokens (once per call);
+    * index-K: the keys ``< e`` (e = the call's end), the rank's 1/G' of them, per sparse layer, once per query
+      chunk (replicated: the port's query chunks each read the keys before their end);
+    * gathered K/V: per sparse layer and query, ``min(topk, blocks < e)`` blocks of ``block / G'`` keys, K and V
+      (sharded: once per group, shared by its G heads; replicated: each rank its own head's);
+    * dense K/V: the keys ``< e`` (1/G'), K and V, per dense layer and query chunk;
+    * activations: 4 ``[chunk, hidden]`` bf16 copies per layer (residual, normed input, attention output, MLP
+      output), and per MoE layer the blockwise rows the rank's experts get (:func:`_moe_rows_read`), tokens in,
+      gate/up, out. G' = 1 replicated, G sharded."""
+    g = group_size(c, tp) if layout == "sharded" else 1
+    kvb = BF16 if kv_dtype == "bf16" else 1
+    kv, bs, n_sparse = _heads(c, c.num_kv_heads, tp), c.index_block_size, sum(c.sparse_layers)
+    e = min(start + chunk, seq)
+    qc = chunk if layout == "sharded" else prefill_chunk(c, seq)
+    index_k = gathered = dense = 0
+    for t0 in range(start, e, qc):  # the port's query chunks (one for a sharded call)
+        t1 = min(t0 + qc, e)
+        index_k += -(-t1 // g) * c.index_head_dim * kvb * n_sparse
+        gathered += (t1 - t0) * min(c.index_topk, -(-t1 // bs)) * -(-bs // g) * 2 * kv * c.head_dim * kvb * n_sparse
+        dense += -(-t1 // g) * 2 * kv * c.head_dim * kvb * (c.num_layers - n_sparse)
+    moe_width = 2 * c.hidden_size + 2 * c.intermediate_size // sharding.moe_tp(tp, ep)
+    return {
+        "weights": sum(weights_read(c, tp, ep, chunk, weights).values()),
+        "index-K": index_k,
+        "gathered K/V": gathered,
+        "dense K/V": dense,
+        "activations": (4 * chunk * c.hidden_size * BF16 * c.num_layers
+                        + _moe_rows_read(c, ep, chunk, moe_block) * moe_width * BF16 * sum(c.moe_layers)),
+    }
+
+
+def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "sharded", logit_rows: int | None = None
+                ) -> list[dict]:
+    """The collectives of one forward pass over ``tokens`` tokens (a decode step at batch b: b; a sharded prefill
+    call: C), one row each: ``name``, ``kind``, ``ranks`` (the group it runs over), ``dtype``, ``bytes`` (the full
+    buffer on each rank: an all-gather's output, a reduce-scatter's input, an all-reduce's buffer) and ``count``
+    (how many run per pass: the layers it runs in).
+
+    Both layouts: the attention output projection's all-reduce and the MLP's (experts + shared expert, or the
+    dense MLP) over all ``tp`` ranks, bf16 ``[T, hidden]``; the LM head's logits all-gather, fp32
+    ``[logit_rows, vocab]``, once per pass (``logit_rows`` defaults to ``tokens``; a prefill call's is 1).
+    Sharded, per attention layer, within the G ranks of a KV group: the group's queries (all-gather, bf16
+    ``[T, qg, d]``), the softmax maxima (all-reduce max, fp32 ``[T, qg]``) and the partial outputs with their sums
+    (reduce-scatter, fp32 ``[T, qg, d + 1]``, each rank keeping its own heads); sparse layers also all-gather the
+    selection candidates (local top-K scores and block ids packed as fp32, ``[T, iq, G, K, 2]``; ids below 2^24
+    are exact). The index queries need none: every rank of a group projects its group's index head."""
+    n_sparse = sum(c.sparse_layers)
+    h, d, L = c.hidden_size, c.head_dim, c.num_layers
+    kv, iq, g = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp), group_size(c, tp)
+    qg = c.q_per_kv * kv
+    rows = []
+    if layout == "sharded" and g > 1:
+        rows += [
+            dict(name="group queries", kind="all-gather", ranks=g, dtype="bf16", bytes=tokens * qg * d * BF16,
+                 count=L),
+            dict(name="selection candidates", kind="all-gather", ranks=g, dtype="fp32",
+                 bytes=tokens * iq * g * c.index_topk * 2 * FP32, count=n_sparse),
+            dict(name="softmax maxima", kind="all-reduce (max)", ranks=g, dtype="fp32", bytes=tokens * qg * FP32,
+                 count=L),
+            dict(name="partial outputs + sums", kind="reduce-scatter", ranks=g, dtype="fp32",
+                 bytes=tokens * qg * (d + 1) * FP32, count=L),
+        ]
+    rows += [
+        dict(name="attention output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
+        dict(name="MLP / MoE output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
+        dict(name="LM head logits", kind="all-gather", ranks=tp, dtype="fp32",
+             bytes=(tokens if logit_rows is None else logit_rows) * -(-c.vocab_size // tp) * tp * FP32, count=1),
+    ]
+    return [r for r in rows if r["ranks"] > 1]
+
+
+def link_seconds(row: dict) -> float:
+    """Link time of one collective of :func:`collectives` (ring algorithm at ``LINK_BYTES_PER_S``)."""
+    n = row["ranks"]
+    sent = row["bytes"] * (n - 1) / n * (2 if row["kind"] == "all-reduce" else 1)
+    return sent / LINK_BYTES_PER_S
+
+
+@dataclass(frozen=True)
+class Ttft:
+    """A TTFT estimate: ``calls`` prefill calls of ``chunk`` tokens; the sums over calls of the FLOP, HBM and link
+    times and of their per-call maximum (``bound_s``), and ``collectives`` x ``COLLECTIVE_LATENCY_S``."""
+    calls: int
+    chunk: int
+    flop_s: float
+    hbm_s: float
+    link_s: float
+    bound_s: float
+    collectives: int
+    latency_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.bound_s + self.latency_s
+
+
+def ttft(c: M3Config, tp: int, ep: int, seq: int, layout: str = "sharded", chunk: int | None = None,
+         weights: str = "bf16", kv_dtype: str = "bf16", latency_s: float = COLLECTIVE_LATENCY_S) -> Ttft:
+    """The TTFT estimate of a ``seq``-token prompt (module docstring). Sharded: ``chunk`` tokens per call (a valid
+    chunk, e.g. ``plan(...).chunk``); replicated: one call of the bucket's tokens (the prompt padded to it)."""
+    if layout == "sharded":
+        calls = [(k, chunk) for k in range(0, seq, chunk)]
+        flops = [sum(chunk_flops(c, tp, ep, k, n, seq).values()) for k, n in calls]
+    else:
+        s = cache_tokens(c, tp, seq, layout)
+        calls, flops = [(0, s)], [sum(prefill_flops(c, tp, ep, 1, s).values())]
+        seq, chunk = s, s
+    hbm = [sum(chunk_bytes(c, tp, ep, k, n, seq, weights, kv_dtype, layout).values()) / HBM_BYTES_PER_S
+           for k, n in calls]
+    rows = collectives(c, tp, ep, chunk, layout, logit_rows=1)
+    link = sum(link_seconds(r) * r["count"] for r in rows)
+    times = [(f / PEAK_FLOPS_PER_S, b, link) for f, b in zip(flops, hbm)]
+    n_coll = sum(r["count"] for r in rows) * len(calls)
+    return Ttft(len(calls), chunk, sum(t[0] for t in times), sum(hbm), link * len(calls),
+                sum(max(t) for t in times), n_coll, n_coll * latency_s)

@@ -1,0 +1,69 @@
+"""The largest context and batch that fit (bisection on :func:`plan`), and :func:`require_fit`, which a compile
+calls before any compile: one :class:`FitError` naming the largest context and batch that do fit."""
+
+from __future__ import annotations
+
+from ..config.m3 import M3Config
+from .memory import GIB, PORT_LAYOUT, MemoryPlan, PlanError, cache_multiple, plan
+
+CONTEXT_LIMIT = 1 << 26  # the context search stops here (64M tokens, 64x M3's positions)
+BATCH_LIMIT = 1 << 20
+
+
+class FitError(PlanError):
+    """A batch x context that does not fit one rank's HBM; ``largest_context`` (at the batch) and
+    ``largest_batch`` (at the context) say what does (0: nothing)."""
+
+    def __init__(self, problems: list[str], largest_context: int, largest_batch: int):
+        super().__init__(problems, heading="MiniMax-M3 does not fit one rank's HBM:")
+        self.largest_context, self.largest_batch = largest_context, largest_batch
+
+
+def _largest(fits, step: int, lo: int, limit: int) -> int:
+    """The largest ``n`` in ``lo, lo + step, ...`` (``<= limit``) with ``fits(n)``, for a ``fits`` true up to some
+    point and false after it; 0 when ``fits(lo)`` is false. Doubling, then bisection in whole steps."""
+    if not fits(lo):
+        return 0
+    good, bad = lo, None
+    while bad is None:
+        n = min(good * 2, limit) // step * step
+        if n <= good:
+            return good
+        good, bad = (n, None) if fits(n) else (good, n)
+    while bad - good > step:
+        mid = (good + bad) // 2 // step * step
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def largest_context(c: M3Config, tp: int, ep: int, batch: int, limit: int = CONTEXT_LIMIT, **kw) -> int:
+    """The largest context (a multiple of the layout's cache multiple) that fits at ``batch``; ``kw`` as
+    :func:`plan` (``layout``, ``chunk``, ``weights``, ...). With a fixed ``chunk`` contexts start at the chunk."""
+    step = cache_multiple(c, tp, kw.get("layout", PORT_LAYOUT))
+    lo = max(step, kw.get("chunk") or step)
+    return _largest(lambda s: plan(c, tp, ep, batch, s, **kw).fits, step, lo, limit)
+
+
+def largest_batch(c: M3Config, tp: int, ep: int, seq: int, limit: int = BATCH_LIMIT, **kw) -> int:
+    """The largest batch that fits at ``seq`` tokens (0: not even one); ``kw`` as :func:`plan`."""
+    return _largest(lambda b: plan(c, tp, ep, b, seq, **kw).fits, 1, 1, limit)
+
+
+def require_fit(c: M3Config, tp: int, ep: int, batch: int, seq: int, **kw) -> MemoryPlan:
+    """The plan of ``batch`` x ``seq`` (``kw`` as :func:`plan`) when it fits; else one :class:`FitError` with the
+    numbers and the largest context (at ``batch``) and batch (at ``seq``) that fit. A chunk the layout cannot use
+    is refused first (:class:`~minimax_m3.planner.memory.ChunkError`, with the sizes that work)."""
+    p = plan(c, tp, ep, batch, seq, **kw)
+    if p.fits:
+        return p
+    ctx, bat = largest_context(c, tp, ep, batch, **kw), largest_batch(c, tp, ep, seq, **kw)
+    g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
+    calls = f", prefill calls of {p.chunk} tokens" if p.layout == "sharded" else ""
+    problems = [
+        f"batch {batch} x {seq} tokens ({p.layout} caches{calls}, {p.weights} experts) needs "
+        f"{g(p.total_bytes)} GiB per rank of {g(p.hbm_bytes)}: weights {g(p.weight_bytes)}, KV {g(p.kv_bytes)}, "
+        f"index-K {g(p.index_k_bytes)}, prefill {g(p.prefill_bytes)}, reserve {g(p.reserve_bytes)}",
+        f"largest context at batch {batch}: {ctx} tokens" if ctx else f"no context fits at batch {batch}",
+        f"largest batch at {seq} tokens: {bat}" if bat else f"not even batch 1 fits at {seq} tokens",
+    ]
+    raise FitError(problems, ctx, bat)

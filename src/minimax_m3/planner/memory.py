@@ -1,0 +1,355 @@
+"""Per-rank HBM of a TP x EP layout: weights, caches, prefill working memory, reserve (what ``plan()`` returns).
+
+Two cache layouts (``LAYOUTS``); G = ``tp / num_kv_heads`` is the group of ranks that share a KV head
+(:func:`group_size`; 16 for M3 at TP 64):
+
+* ``replicated``, what today's port runs (``PORT_LAYOUT``): each KV head's K and V stored whole on the G ranks of
+  its group, the single index-K head on every rank; a prompt prefilled in ONE call whose attention walks query
+  chunks of ``ops.prefill.chunk_for`` (the port's rule), so its working memory grows with the prompt.
+* ``sharded`` (issue 23, design notes 1 and 4): token p of a group lives on group rank ``p mod G`` at slot
+  ``p div G``, so K/V and index-K take 1/G per rank; a prompt is prefilled in calls of C tokens (the chunk, a
+  multiple of ``lcm(block, G)``, at most the context bucket), each attending to the cache the earlier calls wrote:
+  its working memory is that of ONE chunk at any context.
+
+Terms, per rank (b batch, S context rounded up to the cache multiple, d head_dim, di index_head_dim, q / kv / iq
+query / KV / index heads of the rank, qg = ``q_per_kv x kv`` query heads of the rank's KV groups, B block, K top-k,
+kB = ceil(B / G) keys per block per rank, k' = min(K, ceil(S / B)) selected blocks, n = ceil(S / B) blocks):
+
+* weights (:func:`weight_bytes`), the same for both layouts;
+* KV cache ``b x S / G' x L x 2 x kv x d`` and index-K ``b x S / G' x L_sparse x di`` (cache dtype), G' = 1
+  replicated, G sharded (:func:`cache_bytes`);
+* prefill, replicated (T = ctx_batch x S tokens): persistent ``[T, hidden]`` x 4 activations, projections and
+  logits (:func:`prefill_persistent_bytes`) plus the larger of one attention query chunk
+  (:func:`attention_chunk_bytes`) and the MoE (:func:`prefill_phases`);
+* prefill, sharded (T = C, one request per call): the same persistent terms for C tokens plus the larger of the
+  MoE for C tokens (:func:`moe_bytes`) and the attention of the chunk's C queries against keys up to S
+  (:func:`sharded_attention_bytes`): a sparse layer's group queries ``C x qg x d`` (bf16, all-gathered), gathered
+  K and V ``2 x C x kv x k' x kB x d`` (bf16), fp32 scores and probabilities ``C x qg x k' x kB x 2``, fp32 partial
+  outputs with their max and sum ``C x qg x (d + 2)``, the indexer's fp32 scores of one key tile ``C x iq x T_k``
+  (T_k = ceil(min(S, K x B) / G) keys; pooled as they are made), its fp32 partial block scores ``C x iq x n``, the
+  local top-K (fp32 score + int64 id) ``C x iq x k' x 12``, the gathered candidates (score and id as fp32)
+  ``C x iq x G x k' x 2 x 4`` and the selection ``C x iq x k'`` (int64); a dense layer (online softmax over key
+  tiles of T_k keys) group queries, the K/V tile ``2 x kv x T_k x d`` (bf16), fp32 scores and probabilities
+  ``C x qg x T_k x 2``, partial outputs and statistics as above and the causal mask ``C x T_k`` (bool);
+* a runtime reserve (scratchpad, instructions, runtime; an assumption, 3 GiB unless told).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import sharding
+from ..config.m3 import M3Config
+from ..errors import M3Error
+from ..ops.prefill import PREFILL_CHUNKS, PREFILL_MAX_CHUNK, chunk_for
+
+GIB = 1024 ** 3
+HBM_PER_RANK_GIB = 24.0  # trn2 at LNC=2: one logical core's share of HBM
+BF16, FP32 = 2, 4
+INT64 = 8  # block ids of the selection
+FP8 = 1  # e4m3 routed-expert weight; plus an fp32 scale per expert and output channel (checkpoint.fp8_experts)
+HBM_BYTES_PER_S = 725e9  # one logical core's share of trn2 HBM bandwidth at LNC=2 (docs/perf_anchors.md)
+SHARD_ON_I_MULTIPLE = 256  # NxDI SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP (pads I/moe_tp with shard-on-I kernels)
+LAYOUTS = ("replicated", "sharded")
+PORT_LAYOUT = "replicated"  # what today's port runs: the library's default and the graph report's minimum
+MAX_CHUNK = 8192  # the default prefill chunk is the largest power-of-two multiple of lcm(block, G) that fits, <= this
+
+
+class PlanError(M3Error, ValueError):
+    """A layout the model cannot be sharded into."""
+
+
+class ChunkError(PlanError):
+    """A prefill chunk the sharded cache layout cannot use; the message names the sizes that would work."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-rank HBM of one TP x EP layout (bytes by category) and whether it fits; what ``plan()`` returns."""
+    tp: int
+    ep: int
+    batch: int
+    seq: int
+    ctx_batch: int
+    weights: str
+    kv_dtype: str
+    weight_bytes: int
+    kv_bytes: int
+    index_k_bytes: int
+    prefill_bytes: int
+    reserve_bytes: int
+    hbm_bytes: int
+    notes: tuple[str, ...] = ()
+    chunk: int = 0  # replicated: the port's attention query chunk; sharded: tokens per prefill call (C)
+    phases: tuple[tuple[str, int], ...] = ()  # the two prefill phases (attention, MoE), the larger counted
+    layout: str = "replicated"
+    group: int = 1  # G: ranks sharing a KV head (the sharded caches are split G ways)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.index_k_bytes + self.prefill_bytes + self.reserve_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.hbm_bytes
+
+
+def _heads(c: M3Config, heads: int, tp: int) -> int:
+    """Heads per rank (``sharding.heads_per_rank``); a split that does not fit is one PlanError with every problem."""
+    n = sharding.heads_per_rank(heads, tp)
+    if not n:
+        raise PlanError(sharding.model_problems(c, tp, 1) or [f"{heads} heads do not fit tp {tp}"])
+    return n
+
+
+def group_size(c: M3Config, tp: int) -> int:
+    """G: the ranks holding one KV head (``tp / num_kv_heads``; 1 when each rank holds whole KV heads)."""
+    return tp // c.num_kv_heads if tp > c.num_kv_heads else 1
+
+
+def cache_multiple(c: M3Config, tp: int, layout: str) -> int:
+    """What a context bucket (and, sharded, a prefill chunk) is a multiple of: the index block, and with the
+    sharded caches ``lcm(block, G)`` (every rank writes C / G tokens, chunks start on block boundaries)."""
+    return math.lcm(c.index_block_size, group_size(c, tp)) if layout == "sharded" else c.index_block_size
+
+
+def cache_tokens(c: M3Config, tp: int, seq: int, layout: str) -> int:
+    """The context bucket: ``seq`` rounded up to :func:`cache_multiple`."""
+    m = cache_multiple(c, tp, layout)
+    return -(-seq // m) * m
+
+
+def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[int, dict[str, int]]:
+    """Per-rank weight bytes and their breakdown: embedding and LM head sharded over TP (vocab padded to a multiple
+    of TP); attention with ``num_heads / tp`` query heads and the KV heads split or replicated to TP; the indexer's
+    query projection like the KV heads and its single index-key head on every rank; dense MLPs and the shared
+    expert TP-sharded; routers (fp32, every rank); routed experts ``num_experts / ep`` per rank, each sharded over
+    ``moe_tp``. ``fp8``: routed experts in NxD's expert-wise per-channel e4m3 layout (1 byte per weight + an fp32
+    scale per output channel of each local expert), everything else bf16."""
+    problems = sharding.layout_problems(c, tp, ep)
+    if problems:
+        raise PlanError(problems)
+    moe_tp = sharding.moe_tp(tp, ep)
+    h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
+    q = sharding.heads_per_rank(c.num_heads, tp)
+    kv = sharding.heads_per_rank(c.num_kv_heads, tp)
+    iq = sharding.heads_per_rank(c.index_heads, tp)
+    n_moe = sum(c.moe_layers)
+    n_sparse = sum(c.sparse_layers)
+    vocab = -(-c.vocab_size // tp) * tp
+    i_rank = c.intermediate_size // moe_tp
+    experts = n_moe * (c.num_experts // ep) * 3 * h * i_rank * (FP8 if weights == "fp8" else BF16)
+    if weights == "fp8":  # scales [E, 1, 2I/moe_tp] (gate/up, sharded with its columns) and [E, 1, H] (down)
+        experts += n_moe * (c.num_experts // ep) * (2 * i_rank + h) * FP32
+    parts = {
+        "embedding + lm_head": 2 * vocab // tp * h * BF16,
+        "attention": c.num_layers * (2 * q * d * h + 2 * kv * d * h + 2 * d) * BF16,
+        "indexer": n_sparse * ((iq + 1) * di * h + 2 * di) * BF16,
+        "norms": (2 * c.num_layers + 1) * h * BF16,
+        "dense MLPs": (c.num_layers - n_moe) * 3 * h * c.dense_intermediate_size // tp * BF16,
+        "shared experts": n_moe * 3 * h * c.shared_intermediate_size // tp * BF16,
+        "routers (fp32)": n_moe * (c.num_experts * h + c.num_experts) * FP32,
+        "routed experts": experts,
+    }
+    return sum(parts.values()), parts
+
+
+def cache_bytes(c: M3Config, tp: int, batch: int, seq: int, layout: str = PORT_LAYOUT, kv_dtype: str = "bf16"
+                ) -> tuple[int, int]:
+    """Per-rank (KV, index-K) cache bytes for ``batch`` sequences of ``seq`` tokens (rounded up to the bucket)."""
+    s = cache_tokens(c, tp, seq, layout)
+    per_rank = s // group_size(c, tp) if layout == "sharded" else s
+    kvb = BF16 if kv_dtype == "bf16" else 1
+    kv = _heads(c, c.num_kv_heads, tp)
+    return (batch * per_rank * c.num_layers * 2 * kv * c.head_dim * kvb,
+            batch * per_rank * sum(c.sparse_layers) * c.index_head_dim * kvb)
+
+
+def prefill_chunk(c: M3Config, seq: int, chunks: int = PREFILL_CHUNKS, max_chunk: int = PREFILL_MAX_CHUNK) -> int:
+    """Queries per chunk of a ``seq``-token prefill: the port's own rule (``ops.prefill.chunk_for``)."""
+    return chunk_for(seq, chunks, c.index_block_size, max_chunk)
+
+
+def chunk_problems(c: M3Config, tp: int, seq: int, chunk: int) -> list[str]:
+    """Why the sharded layout cannot prefill in calls of ``chunk`` tokens for a ``seq``-token context, with the
+    sizes that would work (empty: it can)."""
+    m, bucket = cache_multiple(c, tp, "sharded"), cache_tokens(c, tp, seq, "sharded")
+    g = group_size(c, tp)
+    out = []
+    if chunk < 1 or chunk % m:
+        lo, hi = max(m, chunk // m * m), max(m, chunk // m * m + m)
+        near = sorted({n for n in (lo, hi) if n <= bucket} or {m})
+        out.append(f"prefill chunk {chunk} is not a multiple of lcm(index block {c.index_block_size}, KV group "
+                   f"{g}) = {m}: each rank writes chunk / {g} tokens and chunks start on block boundaries; nearest "
+                   f"that work: {' or '.join(map(str, near))}")
+    if chunk > bucket:
+        pow2 = [m << j for j in range(64) if m << j <= bucket][-3:]
+        out.append(f"prefill chunk {chunk} is larger than the context bucket {bucket}: use at most {bucket} "
+                   f"(e.g. {', '.join(map(str, reversed(pow2)))})")
+    return out
+
+
+def attention_chunk_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chunk: int | None = None
+                          ) -> dict[str, int]:
+    """Replicated layout: per-rank bytes one query chunk of today's prefill creates (its last chunk, whose keys
+    reach ``seq``), as ``ops.prefill_step`` builds it, all counted live at once.
+
+    Sparse layers (when ``seq`` holds more than ``index_topk`` blocks; fewer and every chunk is dense causal):
+    the gathered K and V, ``chunk x topk x block x head_dim`` per KV head (bf16 each); the fp32 scores and
+    probabilities, ``chunk x topk x block`` per query head; the indexer's chunk-by-keys scores, ``chunk x S``
+    (keys padded to whole blocks) per index head in fp32; the pooled block scores ``chunk x S / block`` (fp32) and
+    the selection ``chunk x topk`` (int64). Dense layers (NxDI's chunked causal path, no flash kernel): fp32 scores
+    and probabilities ``chunk x S`` per query head and the boolean causal mask ``chunk x S``. Returns the terms
+    of the larger of the two."""
+    chunk = prefill_chunk(c, seq) if chunk is None else chunk
+    b, bs, k = ctx_batch, c.index_block_size, c.index_topk
+    q, kv, iq = _heads(c, c.num_heads, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
+    nblk = -(-seq // bs)
+    dense = {"scores and probabilities": b * q * chunk * seq * 2 * FP32, "causal mask": b * chunk * seq}
+    if not any(c.sparse_layers) or nblk <= k:
+        return dense
+    sparse = {
+        "gathered K and V": 2 * b * kv * chunk * k * bs * c.head_dim * BF16,
+        "scores and probabilities": b * q * chunk * k * bs * 2 * FP32,
+        "index scores": b * iq * chunk * nblk * bs * FP32,
+        "pooled block scores": b * iq * chunk * nblk * FP32,
+        "selection": b * iq * chunk * k * INT64,
+    }
+    if all(c.sparse_layers) or sum(sparse.values()) >= sum(dense.values()):
+        return sparse
+    return dense
+
+
+def sharded_attention_bytes(c: M3Config, tp: int, seq: int, chunk: int) -> dict[str, int]:
+    """Sharded layout: per-rank bytes of one prefill call's attention, its ``chunk`` queries against the keys of a
+    ``seq``-token context (the module docstring lists each term); the larger of a sparse and a dense layer's."""
+    g, bs, k, d = group_size(c, tp), c.index_block_size, c.index_topk, c.head_dim
+    kv, iq = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
+    qg = c.q_per_kv * kv  # the query heads of the rank's KV groups, all-gathered within the group
+    s = cache_tokens(c, tp, seq, "sharded")
+    nblk, kb = -(-s // bs), -(-bs // g)
+    ksel = min(k, nblk)
+    tile = -(-min(s, k * bs) // g)  # keys per rank of one tile (indexer scores, dense online softmax)
+    shared = {"group queries": chunk * qg * d * BF16, "partial outputs and statistics": chunk * qg * (d + 2) * FP32}
+    sparse = {
+        **shared,
+        "gathered K and V": 2 * chunk * kv * ksel * kb * d * BF16,
+        "scores and probabilities": chunk * qg * ksel * kb * 2 * FP32,
+        "index scores (one key tile)": chunk * iq * tile * FP32,
+        "partial block scores": chunk * iq * nblk * FP32,
+        "local top-k": chunk * iq * ksel * (FP32 + INT64),
+        "gathered candidates": chunk * iq * g * ksel * 2 * FP32,
+        "selection": chunk * iq * ksel * INT64,
+    }
+    dense = {
+        **shared,
+        "K and V tile": 2 * kv * tile * d * BF16,
+        "scores and probabilities": chunk * qg * tile * 2 * FP32,
+        "causal mask": chunk * tile,
+    }
+    if not any(c.sparse_layers):
+        return dense
+    if all(c.sparse_layers) or sum(sparse.values()) >= sum(dense.values()):
+        return sparse
+    return dense
+
+
+def moe_bytes(c: M3Config, tp: int, ep: int, tokens: int, moe_block: int = 512) -> int:
+    """Per-rank MoE bytes of a prefill of ``tokens`` tokens: fp32 router logits and scores, and NxDI's blockwise
+    buffers (``ceil(T k / block) + local_experts - 1`` blocks of ``block`` rows: tokens in, gate/up, out)."""
+    rows = (-(-tokens * c.top_k // moe_block) + c.num_experts // ep - 1) * moe_block
+    return (2 * tokens * c.num_experts * FP32
+            + rows * (2 * c.hidden_size + 2 * c.intermediate_size // sharding.moe_tp(tp, ep)) * BF16)
+
+
+def prefill_phases(c: M3Config, tp: int, ep: int, seq: int, ctx_batch: int = 1, chunk: int | None = None,
+                   moe_block: int = 512) -> dict[str, int]:
+    """Replicated layout: per-rank bytes of the two phases of a layer's prefill, which run one after the other (the
+    MoE reads the attention's output; the next layer's attention the MoE's), so only the larger is live: one
+    attention chunk (:func:`attention_chunk_bytes`; the chunks of a layer run one at a time) and the MoE."""
+    return {
+        "attention chunk": sum(attention_chunk_bytes(c, tp, seq, ctx_batch, chunk).values()),
+        "MoE": moe_bytes(c, tp, ep, ctx_batch * seq, moe_block),
+    }
+
+
+def prefill_persistent_bytes(c: M3Config, tp: int, tokens: int, ctx_batch: int = 1) -> dict[str, int]:
+    """What a prefill of ``tokens`` tokens (``ctx_batch`` sequences) keeps live through a layer, per rank: hidden
+    states (residual, normed input, attention output, MLP output; replicated without sequence parallelism), this
+    rank's projections (q, k, v, attention output; index q and k) and the last-token logits (fp32)."""
+    q, kv, iq = _heads(c, c.num_heads, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
+    return {
+        "activations": 4 * tokens * c.hidden_size * BF16,
+        "projections": tokens * (2 * q + 2 * kv) * c.head_dim * BF16 + tokens * (iq + 1) * c.index_head_dim * BF16,
+        "logits": ctx_batch * (-(-c.vocab_size // tp)) * FP32,
+    }
+
+
+def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_dtype: str, ctx_batch: int,
+          chunks: int, max_chunk: int, moe_block: int, reserve: int, hbm: int, layout: str, chunk: int
+          ) -> MemoryPlan:
+    w, _ = weight_bytes(c, tp, ep, weights)
+    kv_cache, index_k = cache_bytes(c, tp, batch, seq, layout, kv_dtype)
+    if layout == "sharded":
+        tokens = chunk
+        phases = {"attention": sum(sharded_attention_bytes(c, tp, seq, chunk).values()),
+                  "MoE": moe_bytes(c, tp, ep, chunk, moe_block)}
+    else:
+        tokens, chunk = ctx_batch * seq, prefill_chunk(c, seq, chunks, max_chunk)
+        phases = prefill_phases(c, tp, ep, seq, ctx_batch, chunk, moe_block)
+    prefill = sum(prefill_persistent_bytes(c, tp, tokens, ctx_batch).values()) + max(phases.values())
+    notes, g = [], group_size(c, tp)
+    i_tp = c.intermediate_size // sharding.moe_tp(tp, ep)
+    if sharding.moe_tp(tp, ep) > 1 and i_tp % SHARD_ON_I_MULTIPLE:
+        padded = -(-i_tp // SHARD_ON_I_MULTIPLE) * SHARD_ON_I_MULTIPLE
+        notes.append(f"shard-on-I MoE kernels would pad I/moe_tp from {i_tp} to {padded} (not counted above)")
+    if layout == "replicated" and tp > c.num_kv_heads:
+        notes.append(f"each KV head is replicated on {g} ranks and the index-K cache on all {tp}")
+    if layout == "sharded":
+        notes.append(f"K/V and index-K split {g} ways (token p on group rank p mod {g}); prompts prefilled in "
+                     f"calls of {chunk} tokens")
+    return MemoryPlan(tp, ep, batch, seq, ctx_batch, weights, kv_dtype, w, kv_cache, index_k, prefill, reserve,
+                      hbm, tuple(notes), chunk, tuple(phases.items()), layout, g)
+
+
+def chunk_choices(c: M3Config, tp: int, seq: int, cap: int = MAX_CHUNK) -> list[int]:
+    """The default chunk's candidates, largest first: ``lcm(block, G) x 2^j`` up to ``cap`` and the bucket."""
+    m, bucket = cache_multiple(c, tp, "sharded"), cache_tokens(c, tp, seq, "sharded")
+    return [m << j for j in range(64) if m << j <= min(cap, bucket)][::-1] or [m]
+
+
+def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
+         ctx_batch: int | None = None, chunks: int = PREFILL_CHUNKS, max_chunk: int = PREFILL_MAX_CHUNK,
+         moe_block: int = 512, reserve_gib: float = 3.0, hbm_gib: float = HBM_PER_RANK_GIB,
+         layout: str = PORT_LAYOUT, chunk: int | None = None) -> MemoryPlan:
+    """Per-rank HBM for serving ``batch`` sequences of up to ``seq`` tokens on a ``tp`` x ``ep`` layout.
+
+    ``replicated``: the prefill's query chunk follows ``chunks`` / ``max_chunk`` (the port's ``prefill_chunks`` /
+    ``prefill_max_chunk``); ``ctx_batch`` sequences per prefill (1: continuous batching). ``sharded``: prompts
+    are prefilled one request per call in calls of ``chunk`` tokens (refused with :class:`ChunkError` when the
+    layout cannot use it); ``None`` picks the largest of :func:`chunk_choices` that fits (else the smallest)."""
+    if weights not in ("bf16", "fp8") or kv_dtype not in ("bf16", "fp8"):
+        raise PlanError("weights and kv dtype are bf16 or fp8")
+    if layout not in LAYOUTS:
+        raise PlanError(f"layout {layout!r} is one of {', '.join(LAYOUTS)}")
+    if min(tp, ep, batch, seq, chunks, max_chunk, moe_block) < 1:
+        raise PlanError("tp, ep, batch, seq, chunks, max_chunk and moe_block must be positive")
+    ctx_batch = 1 if ctx_batch is None else ctx_batch  # what NeuronEngine runs: one request per prefill
+    if layout == "replicated" and chunk is not None:
+        raise PlanError("a prefill chunk (tokens per call) is the sharded layout's; today's port (replicated) "
+                        "prefills a prompt in one call")
+    if layout == "sharded" and ctx_batch != 1:
+        raise PlanError("the sharded layout prefills one request per call (ctx_batch 1)")
+    _heads(c, c.num_heads, tp)
+    args = (c, tp, ep, batch, seq, weights, kv_dtype, ctx_batch, chunks, max_chunk, moe_block,
+            int(reserve_gib * GIB), int(hbm_gib * GIB), layout)
+    if layout == "replicated":
+        return _plan(*args, 0)
+    if chunk is not None:
+        problems = chunk_problems(c, tp, seq, chunk)
+        if problems:
+            raise ChunkError(problems)
+        return _plan(*args, chunk)
+    tried = [_plan(*args, n) for n in chunk_choices(c, tp, seq)]
+    return next((p for p in tried if p.fits), tried[-1])
