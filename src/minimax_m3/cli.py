@@ -23,6 +23,7 @@ COMMAND_MODULES = ("minimax_m3.checkpoint.commands", "minimax_m3.eval.commands",
 # Contributed commands that take s3:// inputs (argument names) and upload an output directory.
 STORAGE_WIRING = {
     "longbench": (("model", "tokenizer", "data", "longbench_dir"), "out"),
+    "needle": (("model", "tokenizer"), "out"),
     "convert": (("path",), "out"),
     "inspect": (("path",), None),
     "compile": (("model", "compiled"), "compiled"),  # --compiled s3://... is read only with --skip-compile
