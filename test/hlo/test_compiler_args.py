@@ -2,7 +2,7 @@
 (``workdir/.../command.txt``, NxD's ``save_compile_command``): as NxDI's Qwen3-MoE sets them
 (``models/qwen3_moe/modeling_qwen3_moe.py:513-543``): context encoding ``-O1``; token generation ``-O3`` with
 expert parallelism, ``-O1`` without. NxD 2.29's dry run writes every non-priority command with the priority model's
-arguments (``trace/model_builder.py:699``); ``dry_run.own_commands`` writes each with its own, as a real compile
+arguments (``trace/model_builder.py:699``); ``nxd_compat.own_commands`` writes each with its own, as a real compile
 uses them."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_optimisation_level_per_submodel(request, shape, tkg_level):
         assert all(flag in cmd for flag in COMMON), (sub, bucket, cmd)
         assert f"--lnc={man['layout']['lnc']}" in cmd, (sub, cmd)
         assert cmd.count("--verify-hlo=true") == 1, cmd  # NxDI's ModelWrapper appends it once
-        # its own work directory's log: NxD's dry run wrote the priority model's (dry_run.own_commands fixes it)
+        # its own work directory's log: NxD's dry run wrote the priority model's (nxd_compat.own_commands fixes it)
         logs = [t for t in shlex.split(cmd) if t.startswith("--logfile=")]
         assert len(logs) == 1 and f"/{sub}/" in logs[0], (sub, bucket, logs)
         seen.add(sub)

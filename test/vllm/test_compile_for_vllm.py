@@ -129,7 +129,7 @@ def test_written_down_rules_equal_vllm_neurons_functions(nxdi, override, seqs):
     m3_vllm_standin_platform.setup()
     import vllm_neuron.worker.neuronx_distributed_model_loader  # noqa: F401  (else both sides are the copy)
 
-    from minimax_m3.neuron.vllm.plugin import vllm_neuron_config
+    from minimax_m3.neuron.vllm.defaults import vllm_neuron_config
 
     kw = dict(tp=2, max_num_seqs=seqs, max_model_len=64, dtype="bfloat16", override=override)
     theirs, ours = vllm_neuron_config(**kw), vllm_neuron_config(**kw, use_vllm_neuron=False)

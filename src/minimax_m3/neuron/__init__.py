@@ -12,7 +12,7 @@ from ._sdk import import_neuron_module as _import
 
 _EXPORTS = {
     "MiniMaxM3NeuronConfig": "config", "MiniMaxM3InferenceConfig": "config", "load_m3_config": "config",
-    "NeuronMiniMaxM3Attention": "attention", "M3Router": "moe", "M3ExpertMLPs": "moe",
+    "NeuronMiniMaxM3Attention": "attention", "M3Router": "moe", "M3ExpertMLPs": "nxd_compat",
     "initialize_m3_moe_module": "moe", "M3KVCacheManager": "kv_cache", "NeuronMiniMaxM3Model": "model",
     "NeuronMiniMaxM3ForCausalLM": "model", "NeuronMiniMaxM3DecoderLayer": "model",
     "NeuronEngine": "provider", "build_neuron_config": "build",

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, convert, fp8_experts
 from ..checkpoint.nxdi_rules import fp32_targets
+from . import nxd_compat
 from .attention import NeuronMiniMaxM3Attention
 from .config import MiniMaxM3InferenceConfig
 from .kv_cache import M3KVCacheManager
@@ -59,7 +60,7 @@ class NeuronMiniMaxM3DecoderLayer(nn.Module):
 
 
 RULES = "minimax_m3/checkpoint/nxdi_rules.py"
-class NeuronMiniMaxM3Model(NeuronBaseModel):
+class NeuronMiniMaxM3Model(nxd_compat.OnDeviceSamplingHook, NeuronBaseModel):
     def setup_attr_for_model(self, config: MiniMaxM3InferenceConfig):
         nc = config.neuron_config
         self.on_device_sampling = nc.on_device_sampling_config is not None
@@ -90,7 +91,7 @@ class NeuronMiniMaxM3Model(NeuronBaseModel):
         """NxDI's forward, with the prefill's last real token found from the attention mask (see
         :meth:`get_model_output`)."""
         self._last_real, self._positions, self._mask = None, position_ids, attention_mask
-        if attention_mask.dim() == 2 and self._is_context_encoding(input_ids) \
+        if attention_mask.dim() == 2 and nxd_compat.is_context_encoding(self, input_ids) \
                 and not self.config.neuron_config.prefill_all_logits:
             # right padding: the last real token of a row is its mask's length - 1. NxDI infers a width-0 mask
             # for a one-token prompt without one (vllm-neuron passes none), hence at least one token.
@@ -126,11 +127,12 @@ class NeuronMiniMaxM3Model(NeuronBaseModel):
             self.sampler = create_m3_sampler(config.neuron_config, tp)
         self.kv_mgr = M3KVCacheManager(config, num_kv_head=self.num_key_value_heads, global_rank=self.rank_util)
 
-    def _sample_on_device(self, logits, sampling_params, is_for_speculation, is_for_context_encoding):
-        """NxDI's, with the seeded sampler given each row's counter: the position of the token it samples after
-        (the prefill's last real token, or the decode token's position), and that row's logits."""
-        if not isinstance(self.sampler, SeededSampler) or is_for_speculation:
-            return super()._sample_on_device(logits, sampling_params, is_for_speculation, is_for_context_encoding)
+    def sample_on_device(self, logits, sampling_params, is_for_context_encoding):
+        """The seeded sampler given each row's counter: the position of the token it samples after (the prefill's
+        last real token, or the decode token's position), and that row's logits; None (NxDI's own step) for another
+        sampler. Called for NxDI's sampling step by ``nxd_compat.OnDeviceSamplingHook`` (not for speculation)."""
+        if not isinstance(self.sampler, SeededSampler):
+            return None
         counter = self._positions.max(dim=1).values
         if is_for_context_encoding and self._last_real is not None:
             counter = self._last_real
@@ -193,14 +195,15 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
         if self.neuron_config.on_device_sampling_config:
             validate(params, self.neuron_config.on_device_sampling_config)
 
-    def forward(self, *args, **kwargs):
-        """NxDI's forward, with the LM head's vocabulary padding (a multiple of TP, masked) sliced off; with
-        on-device sampling, NxDI's three-column sampling params get seed 0 (``neuron.sampling.widen``)."""
+    def preprocess_inputs(self, *args, sampling_params=None, **kwargs):
+        """NxDI's, with on-device sampling's three-column sampling params (or NxDI's defaults) given seed 0
+        (``neuron.sampling.widen``) before NxDI validates them."""
         if self.neuron_config.on_device_sampling_config:
-            if len(args) > 4:
-                args = (*args[:4], widen(args[4], self.default_sampling_params), *args[5:])
-            else:
-                kwargs["sampling_params"] = widen(kwargs.get("sampling_params"), self.default_sampling_params)
+            sampling_params = widen(sampling_params, self.default_sampling_params)
+        return super().preprocess_inputs(*args, sampling_params=sampling_params, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """NxDI's forward, with the LM head's vocabulary padding (a multiple of TP, masked) sliced off."""
         out = super().forward(*args, **kwargs)
         vocab = self.config.vocab_size
         if getattr(out, "logits", None) is not None and out.logits.shape[-1] > vocab:
@@ -215,7 +218,7 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
 
         nc = self.neuron_config
         if nc.skip_sharding or not nc.save_sharded_checkpoint or nc.lora_config is not None \
-                or os.environ.get("NXD_LAYOUT_TRANSFORMATION_OPTIONS"):
+                or nxd_compat.layout_transformation_requested():
             return super().shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
         from .sharded import write_sharded
 
@@ -226,8 +229,7 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
     def checkpoint_loader_fn(self, mmap: bool = False):
         """NxDI's loader casts every float tensor to the model dtype; ours keeps the fp32 keys (folded norms,
         router weight, routing bias) float32 and casts the rest in the converter."""
-        path = getattr(self.config, "_name_or_path", None) or self.model_path
-        sd = self.get_state_dict(path, self.config)
+        sd = self.get_state_dict(nxd_compat.checkpoint_path(self), self.config)
         keep = fp32_targets(self.config.m3_config(), self.neuron_config.tp_degree)
         bad = sorted(k for k in keep if k in sd and sd[k].dtype != torch.float32)
         if bad:

@@ -1,16 +1,17 @@
 """MiniMax-M3 MoE on NxD: NxDI's ``initialize_moe_module`` with our router and a decode dispatch that works at
-any batch size with expert parallelism. ``routed_scaling_factor`` is folded into the routed experts' down
-projection by the converter; our shared expert's partial sums join the routed ones before NxD's one all-reduce."""
+any batch size with expert parallelism (``nxd_compat.M3ExpertMLPs``). ``routed_scaling_factor`` is folded into the
+routed experts' down projection by the converter; our shared expert's partial sums join the routed ones before NxD's
+one all-reduce."""
 
 from __future__ import annotations
 
 import torch
-from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
 from neuronx_distributed.modules.moe.routing import RouterTopK
 from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_module
 from torch import nn
 
 from .. import ops
+from . import nxd_compat
 from .layers import KeepFP32
 
 
@@ -47,35 +48,13 @@ class M3Router(KeepFP32, RouterTopK):
         return logits, affinities, experts.to(torch.long)
 
 
-class M3ExpertMLPs(ExpertMLPsV2):
-    """``ExpertMLPsV2`` whose inference dispatch never takes selective loading with expert parallelism.
-
-    NxD picks selective loading when ``tokens * top_k / num_experts < 1`` and raises NotImplementedError for it
-    under EP>1 (batch < 32 at E=128, k=4). With EP each rank holds only E/EP experts, so running every local
-    expert on every token (``forward_all_experts_EP``) is both exact and cheap; we use it for those cases."""
-
-    def forward(self, hidden_states, expert_affinities, expert_index, seq_len, padding_mask=None,
-                expert_affinities_masked_full=None):
-        if not self.training and self.moe_expert_model_parallel_group.size() > 1:
-            cfg = self.routed_experts_mlp_config
-            few = hidden_states.shape[0] * cfg.top_k / cfg.num_experts < 1.0
-            if few or (seq_len > 1 and hidden_states.shape[0] * cfg.top_k < self.blockwise_matmul_config.block_size):
-                return self.forward_all_experts_EP(hidden_states, expert_affinities, expert_index)
-        return super().forward(hidden_states, expert_affinities, expert_index, seq_len, padding_mask=padding_mask,
-                               expert_affinities_masked_full=expert_affinities_masked_full)
-
-
 def initialize_m3_moe_module(config) -> nn.Module:
     """NxDI's factory (SwiGLU-OAI via the neuron config, ``experts_bias=True`` so NxD adds the ``+1`` to the up
-    half, no fused TKG kernel, no NxD shared experts), then our router and expert dispatch."""
+    half, no fused TKG kernel, no NxD shared experts), then our router and an expert dispatch that takes expert
+    parallelism at any batch (both through ``nxd_compat``: the factory takes no class for either)."""
     moe = initialize_moe_module(config=config, init_tkg_module=False, experts_bias=True)
-    old = moe.router
-    moe.router = M3Router(
-        num_experts=old.num_experts, top_k=old.top_k, hidden_size=old.hidden_size,
-        sequence_parallel_enabled=old.sequence_parallel_enabled, sequence_dimension=old.sequence_dimension,
-    )
-    # Our subclass adds only a dispatch rule; parameters, process groups and hooks are NxD's own.
-    moe.expert_mlps.__class__ = M3ExpertMLPs
+    nxd_compat.replace_router(moe, M3Router)
+    nxd_compat.dispatch_ep_at_any_batch(moe)
     return moe
 
 

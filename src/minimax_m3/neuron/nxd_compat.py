@@ -1,21 +1,35 @@
 """Every adaptation of NxD / NxDI that the port needs beyond their hooks, in one place.
 
-Each entry names the SDK version it targets (Neuron SDK 2.29: NxDI 0.9 at 4bcdc54, NxD 0.18 "Release 2.29") and the
-upstream behaviour it works around, so a newer SDK is checked here first. The model files (``model.py``,
-``attention.py``, ``moe.py``) use NxDI's hooks only and call these by name.
+Each entry names the SDK version it targets (Neuron SDK 2.29: NxDI 0.9 at 4bcdc54, NxD 0.18 "Release 2.29") and
+the upstream file and function whose behaviour it works around, so a newer SDK is checked here first. The model files
+(``model.py``, ``attention.py``, ``moe.py``, ``kv_cache.py``, ``layers.py``, ``sampling.py``) override NxDI's hooks
+only, as NxDI's in-tree ``qwen3_moe`` and ``gpt_oss`` do, and call these by name; ``test/unit/test_port_hooks.py``
+keeps them that way (no ``__class__`` assignment, no environment variables, no private NxD/NxDI attribute).
+
+Needs NxD (module-level imports). ``sharded.py`` and ``trace.py``, which import without the SDK, import it inside
+their functions. The vllm-neuron 0.4.1 adaptations live in ``neuron/vllm/defaults.py`` (the vLLM plugin imports
+without NxDI).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import torch
+from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
+from torch import nn
+
+from .._atomic import write_atomic
+
+# ---- CPU mode -------------------------------------------------------------------------------------------------
 
 
 def to_cpu(app) -> None:
     """``app.to_cpu()``, joining a process group that already exists in this process.
 
-    Targets NxDI 0.9 (``NeuronApplicationBase.to_cpu``, SDK 2.29).
+    Targets NxDI 0.9 (``models/application_base.py``: ``NeuronApplicationBase.to_cpu``, SDK 2.29).
     Under torchrun NxDI's ``to_cpu`` calls ``init_process_group("gloo")`` unconditionally, which fails when
     another engine (e.g. the reference golden in the same pytest) already joined; hiding ``WORLD_SIZE`` for the
     call makes NxDI reuse the existing group after we check that it has the size NxDI would have asserted."""
@@ -32,3 +46,255 @@ def to_cpu(app) -> None:
         app.to_cpu()
     finally:
         os.environ["WORLD_SIZE"] = world
+
+
+# ---- MoE ------------------------------------------------------------------------------------------------------
+
+
+def replace_router(moe: nn.Module, router_cls: type) -> None:
+    """Give the ``MoE`` that NxDI's factory built a router of class ``router_cls``, constructed with the factory
+    router's ``num_experts``, ``top_k``, ``hidden_size``, ``sequence_parallel_enabled`` and ``sequence_dimension``.
+
+    Targets NxDI 0.9 (``modules/moe_v2.py``: ``initialize_moe_module`` builds NxD's ``RouterTopK`` itself and
+    takes no router class; NxD 0.18's ``MoE`` calls ``self.router``). ``router_cls`` keeps NxD's router contract
+    ``(router_logits, expert_affinities, expert_index)``."""
+    old = moe.router
+    moe.router = router_cls(
+        num_experts=old.num_experts, top_k=old.top_k, hidden_size=old.hidden_size,
+        sequence_parallel_enabled=old.sequence_parallel_enabled, sequence_dimension=old.sequence_dimension,
+    )
+
+
+class M3ExpertMLPs(ExpertMLPsV2):
+    """``ExpertMLPsV2`` whose inference dispatch never takes selective loading with expert parallelism.
+
+    Targets NxD 0.18 (``modules/moe/expert_mlps_v2.py``: ``ExpertMLPsV2.forward``): it picks selective loading
+    when ``tokens * top_k / num_experts < 1`` and raises NotImplementedError for it under EP>1 (batch < 32 at
+    E=128, k=4). With EP each rank holds only E/EP experts, so running every local expert on every token
+    (``forward_all_experts_EP``) is both exact and cheap; it is used for those cases (and for a prefill with fewer
+    token-expert pairs than a block)."""
+
+    def forward(self, hidden_states, expert_affinities, expert_index, seq_len, padding_mask=None,
+                expert_affinities_masked_full=None):
+        if not self.training and self.moe_expert_model_parallel_group.size() > 1:
+            cfg = self.routed_experts_mlp_config
+            few = hidden_states.shape[0] * cfg.top_k / cfg.num_experts < 1.0
+            if few or (seq_len > 1 and hidden_states.shape[0] * cfg.top_k < self.blockwise_matmul_config.block_size):
+                return self.forward_all_experts_EP(hidden_states, expert_affinities, expert_index)
+        return super().forward(hidden_states, expert_affinities, expert_index, seq_len, padding_mask=padding_mask,
+                               expert_affinities_masked_full=expert_affinities_masked_full)
+
+
+def dispatch_ep_at_any_batch(moe: nn.Module) -> None:
+    """Make the ``MoE``'s expert MLPs :class:`M3ExpertMLPs`, in place.
+
+    Targets NxDI 0.9 (``modules/moe_v2.py``: ``initialize_moe_module`` constructs ``ExpertMLPsV2`` itself, with its
+    process groups, and takes no class for it) and the NxD 0.18 dispatch :class:`M3ExpertMLPs` works around. The
+    subclass adds only a dispatch rule, so the instance's class is changed after construction: its parameters,
+    process groups and preshard hooks stay NxD's own."""
+    moe.expert_mlps.__class__ = M3ExpertMLPs
+
+
+# ---- the traced model and the application ---------------------------------------------------------------------
+
+
+def is_context_encoding(model, input_ids: torch.Tensor) -> bool:
+    """Whether NxDI's ``NeuronBaseModel.forward`` treats this call as context encoding.
+
+    Targets NxDI 0.9 (``models/model_base.py``: ``NeuronBaseModel._is_context_encoding``, private: more than one
+    token and not the speculation length)."""
+    return model._is_context_encoding(input_ids)
+
+
+class OnDeviceSamplingHook:
+    """Mixin for a ``NeuronBaseModel`` subclass: NxDI's on-device sampling step through the model's public
+    ``sample_on_device(logits, sampling_params, is_for_context_encoding)``, which returns the ``[B]`` int32 token
+    ids or None for NxDI's own step. Speculation always takes NxDI's.
+
+    Targets NxDI 0.9 (``models/model_base.py``: ``NeuronBaseModel._sample_on_device``, private, the only place
+    ``forward`` samples): it hands the sampler ``logits[:, -1, :]`` and the rank only, so a sampler cannot learn each
+    row's position, and an all-position prefill's last column is a padding slot."""
+
+    def _sample_on_device(self, logits, sampling_params, is_for_speculation, is_for_context_encoding):
+        if not is_for_speculation:
+            tokens = self.sample_on_device(logits, sampling_params, is_for_context_encoding)
+            if tokens is not None:
+                return tokens
+        return super()._sample_on_device(logits, sampling_params, is_for_speculation, is_for_context_encoding)
+
+
+def sampler_global_top_k(sampler, logits: torch.Tensor, dim: int, rank_id):
+    """The top ``sampler.global_topk`` logits (descending) of the whole vocabulary and their vocabulary ids: on
+    device through NxDI's own candidate search with no per-row top-k mask; in CPU mode ``torch.topk`` of the
+    gathered logits.
+
+    Targets NxDI 0.9 (``modules/generation/sampling.py``: ``Sampler._top_k_masked``, private: on device ``nxd_topk``
+    over the vocabulary shards with NxDI's stage and kernel choice, then a mask at each row's ``top_k``, which a
+    ``top_k`` of ``global_topk`` leaves empty; in CPU mode it takes ``torch.topk`` of this rank's vocabulary shard
+    alone, so with TP > 1 the shards are gathered first, over gloo)."""
+    if sampler.neuron_config.on_cpu:
+        from neuronx_distributed.parallel_layers import parallel_state
+        from neuronx_distributed.parallel_layers.mappings import gather_from_tensor_model_parallel_region
+
+        if parallel_state.get_tensor_model_parallel_size() > 1:  # CPU mode: vocab-sharded logits, gloo
+            logits = gather_from_tensor_model_parallel_region(logits)
+        k = min(sampler.global_topk, logits.shape[dim]) if sampler.global_topk > 0 else logits.shape[dim]
+        return torch.topk(logits, k, dim=dim)
+    no_mask = torch.full((logits.shape[0], 1), max(sampler.global_topk, 1), device=logits.device)
+    return sampler._top_k_masked(logits, no_mask, dim, rank_id)
+
+
+SAMPLING_PARAMS_INPUT = 4  # the position of sampling_params in NeuronBaseModel.forward's inputs
+
+
+def map_example_sampling_params(inputs, fn) -> tuple:
+    """One bucket's example inputs with ``fn`` applied to their ``sampling_params``.
+
+    Targets NxDI 0.9 (``models/model_wrapper.py``: ``ModelWrapper.input_generator`` returns each bucket's example
+    inputs as a positional tuple in ``NeuronBaseModel.forward``'s order: ``input_ids, attention_mask,
+    position_ids, seq_ids, sampling_params, ...``; the traced graph takes the shapes it is given)."""
+    inputs = list(inputs)
+    inputs[SAMPLING_PARAMS_INPUT] = fn(inputs[SAMPLING_PARAMS_INPUT])
+    return tuple(inputs)
+
+
+def checkpoint_path(app) -> str:
+    """The checkpoint path NxDI's loader reads: the config's ``_name_or_path``, else the application's model path.
+
+    Targets NxDI 0.9 (``models/application_base.py``: ``NeuronApplicationBase.checkpoint_loader_fn`` reads the
+    HF-style private ``_name_or_path`` that ``load_pretrained_config`` sets)."""
+    return getattr(app.config, "_name_or_path", None) or app.model_path
+
+
+def layout_transformation_requested() -> bool:
+    """Whether NxD's weight-layout transformation is asked for, which NxDI's own ``shard_weights`` then runs.
+
+    Targets NxDI 0.9 (``models/application_base.py``: ``NeuronApplicationBase.shard_weights`` transforms the
+    sharded weights when ``NXD_LAYOUT_TRANSFORMATION_OPTIONS`` is in the environment; the port then leaves sharding
+    to NxDI)."""
+    return bool(os.environ.get("NXD_LAYOUT_TRANSFORMATION_OPTIONS"))
+
+
+# ---- compile and the dry run ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def compiler_workdir(path: str | Path):
+    """NxD's compiler work directory set to ``path`` for the ``with`` block (the environment restored after).
+
+    Targets NxDI 0.9 (``models/application_base.py``: ``NeuronApplicationBase.get_builder``, and
+    ``models/model_wrapper.py``: ``ModelWrapper.__init__``), which read it from ``BASE_COMPILE_WORK_DIR`` only
+    (default ``/tmp/nxd_model/``), with no argument."""
+    old = os.environ.get("BASE_COMPILE_WORK_DIR")
+    os.environ["BASE_COMPILE_WORK_DIR"] = str(path) + "/"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("BASE_COMPILE_WORK_DIR", None)
+        else:
+            os.environ["BASE_COMPILE_WORK_DIR"] = old
+
+
+def own_commands(builder) -> int:
+    """Rewrite each non-priority bucket's ``command.txt`` with its own submodel's compiler arguments; returns how
+    many were rewritten.
+
+    Targets NxD 0.18 (``trace/model_builder.py``: ``ModelBuilder.compile`` with ``dry_run=True``): the dry run writes
+    them with the *priority* model's arguments, a variable left over from its priority compile (``:699`` passes
+    ``compiler_args`` from ``:642-645``), while a real compile uses each submodel's own (``:720-722``: its
+    ``compiler_args`` plus ``--logfile`` in its work directory). A command that does not contain the leaked
+    arguments is left as NxD wrote it."""
+    from neuronx_distributed.trace.model_builder import LOG_FILE_DEFAULT_NAME as LOG
+
+    def workdir(key, i):
+        return Path(builder.compiler_workdir, key, f"_tp0_bk{i}").absolute()
+
+    prio = [(k, a) for k, a in builder.model_collection.items() if a.priority_model_idx is not None]
+    if not prio:
+        return 0
+    key, art = prio[0]
+    log = workdir(key, art.priority_model_idx) / LOG
+    leaked_t, n = f"{art.compiler_args} --logfile={log} --enable-internal-neff-wrapper".split(), 0
+    for key, art in builder.model_collection.items():
+        for i in range(len(art.hlo_artifact_collection)):
+            path = workdir(key, i) / "command.txt"
+            if i == art.priority_model_idx or not path.is_file():
+                continue
+            tokens = path.read_text().split()
+            at = next((j for j in range(len(tokens)) if tokens[j:j + len(leaked_t)] == leaked_t), None)
+            if at is None:
+                continue
+            own = f"{art.compiler_args} --logfile={workdir(key, i) / LOG}".split()
+            write_atomic(path, (" ".join(tokens[:at] + own + tokens[at + len(leaked_t):]) + "\n").encode())
+            n += 1
+    return n
+
+
+# ---- pre-sharding ---------------------------------------------------------------------------------------------
+
+
+class nxd_sharding_model:
+    """The context of NxD's ``ModelBuilder.shard_checkpoint``: ``mock_distributed(world)``, the meta device, NxD's
+    model-parallel state, the builder's first submodel built at bucket 0. ``with nxd_sharding_model(builder) as
+    model``.
+
+    Targets NxD 0.18 (``trace/model_builder.py``: ``ModelBuilder.shard_checkpoint``, whose set-up is not a function
+    of its own: it loads the whole state dict inside it, which ``neuron.sharded`` replaces by one unit at a time)."""
+
+    def __init__(self, builder):
+        self.builder = builder
+        self.stack = None
+
+    def __enter__(self):
+        from neuronx_distributed.parallel_layers import parallel_state
+        from neuronx_distributed.trace.mock_torchdist import mock_distributed
+        from neuronx_distributed.utils.model_utils import init_on_device
+
+        b = self.builder
+        self.stack = ExitStack()
+        self.stack.enter_context(mock_distributed(world_size=b.world_size))
+        self.stack.enter_context(init_on_device(torch.device("meta"), force_custom_init_on_device=True))
+        torch.distributed.init_process_group(backend="xla", rank=0, world_size=b.world_size)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=b.tp_degree,
+                                                 pipeline_model_parallel_size=b.pp_degree,
+                                                 expert_model_parallel_size=b.ep_degree,
+                                                 skip_collective_init=True, lnc_size=b.logical_nc_config)
+        if b.init_custom_process_group_fn:
+            b.init_custom_process_group_fn()
+        container = b.model_collection[list(b.model_collection)[0]]
+        container.model_instance.load_module()
+        kwargs = {} if container.bucket_config is None else container.bucket_config.get_func_kwargs_for_bucket_rank(0)
+        kwargs.pop("bucket_rank", None)
+        model, _ = container.model_instance.get(0, **kwargs)
+        return model
+
+    def __exit__(self, *exc):
+        from neuronx_distributed.parallel_layers import parallel_state
+
+        try:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+        finally:
+            self.stack.close()
+        return False
+
+
+def shard_part(builder, module: nn.Module, part: dict, ranks):
+    """``(rank, sharded)`` for each of ``ranks``: NxD's sharding of the state dict ``part`` for ``module`` (which
+    holds the submodules ``part`` names), inside :class:`nxd_sharding_model`. ``part`` is preprocessed and cast in
+    place.
+
+    Targets NxD 0.18 (``trace/model_builder.py``: ``ModelBuilder.shard_checkpoint`` then
+    ``shard_weights_with_cache``): ``preprocess_checkpoint`` (duplicate check, preshard hooks, removal of keys the
+    model lacks), ``cast_weights``, then ``get_sharded_checkpoint(..., is_cached=True)`` on a copy per rank, the
+    same calls on a part of the state dict instead of all of it."""
+    from neuronx_distributed.trace.trace import get_sharded_checkpoint, preprocess_checkpoint
+
+    preprocess_checkpoint(module, part)
+    builder.cast_weights(part, module, "")
+    for rank in ranks:
+        sharded = part.copy()
+        get_sharded_checkpoint(sharded, module, rank, builder.tp_degree, is_cached=True)
+        yield rank, sharded
+        del sharded  # one rank's slices alive at a time (the caller drops its reference too)

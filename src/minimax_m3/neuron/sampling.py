@@ -30,6 +30,7 @@ from neuronx_distributed_inference.models.model_wrapper import ModelWrapper
 from neuronx_distributed_inference.modules.generation.sampling import Sampler, validate_sampling_params
 
 from ..ops.seeded_sampling import draw_sorted, seed_words, uniforms
+from . import nxd_compat
 
 SEED_COLUMNS = 2
 WIDTH = 3 + SEED_COLUMNS
@@ -77,23 +78,10 @@ class SeededSampler(Sampler):
         if not (self.do_sample or self.dynamic) or positions is None:
             return super().forward(token_logits, sampling_params[:, :3], return_values, rank_id)
         dim = token_logits.dim() - 1
-        values, ids = self._candidates(token_logits, dim, rank_id)
+        values, ids = nxd_compat.sampler_global_top_k(self, token_logits, dim, rank_id)
         u = uniforms(sampling_params[:, 3], sampling_params[:, 4], positions)
         idx = draw_sorted(values, sampling_params[:, 2], sampling_params[:, 0], sampling_params[:, 1], u)
         return torch.gather(ids, dim, idx[:, None].to(ids.dtype)).reshape(-1)
-
-    def _candidates(self, logits, dim, rank_id):
-        """The top ``global_topk`` logits (descending) and their vocabulary ids."""
-        if self.neuron_config.on_cpu:
-            from neuronx_distributed.parallel_layers import parallel_state
-            from neuronx_distributed.parallel_layers.mappings import gather_from_tensor_model_parallel_region
-
-            if parallel_state.get_tensor_model_parallel_size() > 1:  # CPU mode: vocab-sharded logits, gloo
-                logits = gather_from_tensor_model_parallel_region(logits)
-            k = min(self.global_topk, logits.shape[dim]) if self.global_topk > 0 else logits.shape[dim]
-            return torch.topk(logits, k, dim=dim)
-        no_mask = torch.full((logits.shape[0], 1), max(self.global_topk, 1), device=logits.device)
-        return self._top_k_masked(logits, no_mask, dim, rank_id)
 
 
 def create_m3_sampler(neuron_config, lm_head_tp_degree=None):
@@ -110,10 +98,7 @@ class SeededModelWrapper(ModelWrapper):
     take the seed words)."""
 
     def input_generator(self):
-        out = []
-        for inputs in super().input_generator():
-            inputs = list(inputs)
-            sp = inputs[4]
-            inputs[4] = torch.cat([sp, torch.zeros(sp.shape[0], WIDTH - sp.shape[1], dtype=sp.dtype)], dim=1)
-            out.append(tuple(inputs))
-        return out
+        def seeded(sp):
+            return torch.cat([sp, torch.zeros(sp.shape[0], WIDTH - sp.shape[1], dtype=sp.dtype)], dim=1)
+
+        return [nxd_compat.map_example_sampling_params(inputs, seeded) for inputs in super().input_generator()]

@@ -145,18 +145,13 @@ def reserve(model: nn.Module) -> int:
 def shard_units(builder, model: nn.Module, pairs, ranks, sink) -> dict:
     """NxD's sharding of each unit of ``pairs`` for ``ranks``; ``sink(rank, name, tensor)`` receives every slice.
     Returns ``{"units": n, "keys": k, "max_unit_bytes": b}`` (b: the largest unit as converted). Must run inside
-    NxD's sharding context (:func:`nxd_sharding_model`)."""
-    from neuronx_distributed.trace.trace import get_sharded_checkpoint, preprocess_checkpoint
+    NxD's sharding context (``nxd_compat.nxd_sharding_model``)."""
+    from .nxd_compat import shard_part
 
     n_units = n_keys = largest = 0
     for unit, part in units(pairs):
         largest = max(largest, sum(t.numel() * t.element_size() for t in part.values()))
-        view = submodule_for(model, unit)
-        preprocess_checkpoint(view, part)
-        builder.cast_weights(part, view, "")
-        for rank in ranks:
-            sharded = part.copy()
-            get_sharded_checkpoint(sharded, view, rank, builder.tp_degree, is_cached=True)
+        for rank, sharded in shard_part(builder, submodule_for(model, unit), part, ranks):
             for name, t in sharded.items():
                 sink(rank, name, t)
             del sharded
@@ -165,61 +160,18 @@ def shard_units(builder, model: nn.Module, pairs, ranks, sink) -> dict:
     return {"units": n_units, "keys": n_keys, "max_unit_bytes": largest}
 
 
-class nxd_sharding_model:
-    """The context of NxD's ``ModelBuilder.shard_checkpoint``: ``mock_distributed(world)``, the meta device, NxD's
-    model-parallel state, the builder's first submodel built at bucket 0. ``with nxd_sharding_model(builder) as
-    model``."""
-
-    def __init__(self, builder):
-        self.builder = builder
-        self.stack = None
-
-    def __enter__(self):
-        from contextlib import ExitStack
-
-        from neuronx_distributed.parallel_layers import parallel_state
-        from neuronx_distributed.trace.mock_torchdist import mock_distributed
-        from neuronx_distributed.utils.model_utils import init_on_device
-
-        b = self.builder
-        self.stack = ExitStack()
-        self.stack.enter_context(mock_distributed(world_size=b.world_size))
-        self.stack.enter_context(init_on_device(torch.device("meta"), force_custom_init_on_device=True))
-        torch.distributed.init_process_group(backend="xla", rank=0, world_size=b.world_size)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=b.tp_degree,
-                                                 pipeline_model_parallel_size=b.pp_degree,
-                                                 expert_model_parallel_size=b.ep_degree,
-                                                 skip_collective_init=True, lnc_size=b.logical_nc_config)
-        if b.init_custom_process_group_fn:
-            b.init_custom_process_group_fn()
-        container = b.model_collection[list(b.model_collection)[0]]
-        container.model_instance.load_module()
-        kwargs = {} if container.bucket_config is None else container.bucket_config.get_func_kwargs_for_bucket_rank(0)
-        kwargs.pop("bucket_rank", None)
-        model, _ = container.model_instance.get(0, **kwargs)
-        return model
-
-    def __exit__(self, *exc):
-        from neuronx_distributed.parallel_layers import parallel_state
-
-        try:
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
-        finally:
-            self.stack.close()
-        return False
-
-
 def write_sharded(app, out_dir: str | Path, model_dir: str | Path | None = None) -> dict:
     """Write ``tp{r}_sharded_checkpoint.safetensors`` for this host's ranks (``start_rank_id`` ..
     ``+ local_ranks_size``) of NxDI application ``app`` (a ``NeuronMiniMaxM3ForCausalLM``, not yet loaded) into
     ``out_dir`` (NxDI reads ``<compiled>/weights/``), converting ``model_dir`` (default: the app's model path) one
     unit at a time. Returns a small report (ranks, units, keys, bytes, seconds)."""
+    from .nxd_compat import checkpoint_path, nxd_sharding_model
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     nc = app.neuron_config
     ranks = list(range(nc.start_rank_id, nc.start_rank_id + nc.local_ranks_size))
-    src = str(model_dir or getattr(app.config, "_name_or_path", None) or app.model_path)
+    src = str(model_dir or checkpoint_path(app))
     builder = app.get_builder()
     t0 = time.perf_counter()
     files: dict[int, RankFile] = {}

@@ -19,7 +19,6 @@ the NxDI classes are imported inside the functions.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from ..config import sharding
@@ -68,46 +67,16 @@ def _bucket_of(example_inputs) -> tuple[int, int]:
     return int(mask.shape[-1]), int(ids.shape[0])
 
 
-def own_commands(builder) -> int:
-    """Rewrite each non-priority bucket's ``command.txt`` with its own submodel's compiler arguments; returns how
-    many were rewritten. NxD 2.29's dry run writes them with the *priority* model's arguments, a variable left
-    over from its priority compile (``trace/model_builder.py:699`` passes ``compiler_args`` from ``:642-645``),
-    while a real compile uses each submodel's own (``:720-722``: its ``compiler_args`` plus ``--logfile`` in its
-    work directory). A command that does not contain the leaked arguments is left as NxD wrote it."""
-    from neuronx_distributed.trace.model_builder import LOG_FILE_DEFAULT_NAME as LOG
-
-    def workdir(key, i):
-        return Path(builder.compiler_workdir, key, f"_tp0_bk{i}").absolute()
-
-    prio = [(k, a) for k, a in builder.model_collection.items() if a.priority_model_idx is not None]
-    if not prio:
-        return 0
-    key, art = prio[0]
-    log = workdir(key, art.priority_model_idx) / LOG
-    leaked_t, n = f"{art.compiler_args} --logfile={log} --enable-internal-neff-wrapper".split(), 0
-    for key, art in builder.model_collection.items():
-        for i in range(len(art.hlo_artifact_collection)):
-            path = workdir(key, i) / "command.txt"
-            if i == art.priority_model_idx or not path.is_file():
-                continue
-            tokens = path.read_text().split()
-            at = next((j for j in range(len(tokens)) if tokens[j:j + len(leaked_t)] == leaked_t), None)
-            if at is None:
-                continue
-            own = f"{art.compiler_args} --logfile={workdir(key, i) / LOG}".split()
-            write_atomic(path, (" ".join(tokens[:at] + own + tokens[at + len(leaked_t):]) + "\n").encode())
-            n += 1
-    return n
-
-
 def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> Path:
     """After ``app.compile(out, dry_run=True)``: each bucket's module and ``dry_run.json``. Works for any NxDI
     application (the published community port is traced by the same code in the tests)."""
     from torch_neuronx.proto import metaneff_pb2
 
+    from .nxd_compat import own_commands
+
     out = Path(out)
     builder = app.get_builder()
-    own_commands(builder)
+    own_commands(builder)  # NxD 2.29's dry run writes the priority graph's arguments into every command
     nc = app.neuron_config
     graphs = []
     for key, artifacts in builder.model_collection.items():
@@ -158,15 +127,10 @@ def trace(app, out: str | Path, port: str, model_config: M3Config) -> Path:
     (source lines, for the cost report's classification), then :func:`write_manifest`."""
     from neuronx_distributed.utils import HloMetadataLevel
 
+    from .nxd_compat import compiler_workdir
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    old = os.environ.get("BASE_COMPILE_WORK_DIR")
-    os.environ["BASE_COMPILE_WORK_DIR"] = str(out / "workdir") + "/"
-    try:
+    with compiler_workdir(out / "workdir"):
         app.compile(str(out), debug=HloMetadataLevel.INFO, dry_run=True)
-    finally:
-        if old is None:
-            os.environ.pop("BASE_COMPILE_WORK_DIR", None)
-        else:
-            os.environ["BASE_COMPILE_WORK_DIR"] = old
     return write_manifest(app, out, port, model_config)

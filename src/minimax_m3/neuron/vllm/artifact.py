@@ -8,7 +8,7 @@ config comes from ``dir/neuron_config.json`` (``override_neuron_config`` is then
 .safetensors`` (without it NxDI would shard from the model path, which is ``dir`` there: no checkpoint).
 
 So the artifact is NxDI's ``compile()`` of the config vllm-neuron itself builds for the serving command line:
-:func:`minimax_m3.neuron.vllm.plugin.vllm_neuron_config` (vllm-neuron's own functions when importable) with an
+:func:`minimax_m3.neuron.vllm.defaults.vllm_neuron_config` (vllm-neuron's own functions when importable) with an
 ``override_neuron_config`` taken from the engine's translation of the same spec (:func:`serving_override`: the
 layout fields vllm-neuron leaves to the override), and NxDI's ``load_pretrained_config`` as vllm-neuron calls it.
 """
@@ -65,12 +65,12 @@ def serving_override(spec: EngineSpec) -> dict:
     """The ``override_neuron_config`` that makes vllm-neuron's neuron config carry the engine's layout for
     ``spec``: each of :data:`OVERRIDE_FIELDS` where the engine's value (``neuron.engine.neuron_config``) differs
     from what vllm-neuron's defaults give (of a nested config, the fields that differ)."""
-    from . import plugin as vllm_plugin
-    from ..config import MiniMaxM3NeuronConfig
     from ..build import neuron_config
+    from ..config import MiniMaxM3NeuronConfig
+    from .defaults import vllm_neuron_config
 
     engine = _json_form(neuron_config(spec))
-    plain = _json_form(MiniMaxM3NeuronConfig(**vllm_plugin.vllm_neuron_config(**_flags(spec), override={})))
+    plain = _json_form(MiniMaxM3NeuronConfig(**vllm_neuron_config(**_flags(spec), override={})))
     out = {}
     for k in OVERRIDE_FIELDS:
         mine, theirs = engine.get(k), plain.get(k)
@@ -92,9 +92,10 @@ def vllm_inference_config(spec: EngineSpec, override: dict):
 
     from . import plugin as vllm_plugin
     from ..config import MiniMaxM3InferenceConfig
+    from .defaults import vllm_neuron_config
 
     vllm_plugin.register_config()  # what the plugin does in vLLM's processes: config.json through AutoConfig
-    kw = vllm_plugin.vllm_neuron_config(**_flags(spec), override=override)
+    kw = vllm_neuron_config(**_flags(spec), override=override)
     cls = MiniMaxM3InferenceConfig
     try:
         return cls(cls.get_neuron_config_cls()(**kw), load_config=load_pretrained_config(spec.model))
