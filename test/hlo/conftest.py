@@ -3,8 +3,8 @@
 Needs the NxDI/NxD sources (``NXDI_SRC``/``NXD_SRC``) and an environment where NxDI imports (transformers 4.57: run it
 through ``scripts/test_neuron_offdevice.sh``); without the sources every test here is skipped with one line.
 
-The three shapes of issue 13, each traced once per session by ``python -m test.hlo.dry_run`` (``minimax-m3 compile
---dry-run`` with the stand-ins of ``standins_trace``):
+The three shapes of issue 13, each traced once per session by ``python -m test.support.hlo.dry_run``
+(``minimax-m3 compile --dry-run`` with the stand-ins of ``standins_trace``):
 
 * ``dry_tiny``: the tiny synthetic checkpoint at TP=1, float32, 2 context-encoding + 2 token-generation buckets;
 * ``dry_narrow``: MiniMax-M3's head and expert counts (64 q / 4 KV / 4 index heads, 128 experts) at tiny widths,
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from test.neuron_cpu import standins
+from test.support.neuron import standins
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def run_module(module: str, *args: str, timeout: int = 900) -> tuple[str, float]
 def dry_run(model: Path, out: Path, args: list[str]) -> Path:
     if REASON:  # module-scoped fixtures are set up before the autouse skip runs
         pytest.skip(f"graph harness: {REASON}")
-    stdout, seconds = run_module("test.hlo.dry_run", "--model", str(model), "--compiled", str(out), *args)
+    stdout, seconds = run_module("test.support.hlo.dry_run", "--model", str(model), "--compiled", str(out), *args)
     (out / "trace_seconds.txt").write_text(f"{seconds:.1f}\n")
     return out
 
@@ -100,7 +100,7 @@ def dry_tiny(tiny_ckpt, tmp_path_factory):
 def dry_narrow(tmp_path_factory):
     if REASON:
         pytest.skip(REASON)
-    from test.hlo._shard import narrow_config
+    from test.support.hlo.nxd_shard_tp64 import narrow_config
 
     model = write_config(tmp_path_factory.mktemp("cfg") / "narrow", narrow_config())
     return dry_run(model, tmp_path_factory.mktemp("dry") / "narrow", NARROW)

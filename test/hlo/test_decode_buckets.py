@@ -40,7 +40,7 @@ def ckpt(tmp_path_factory):
 
 
 def _recording_engine(ckpt, **kw):
-    from test.neuron_cpu import standins
+    from test.support.neuron import standins
 
     standins.bootstrap()
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
@@ -104,7 +104,7 @@ def test_a_batch_decodes_in_the_bucket_of_its_longest_row(ckpt):
 
 
 def test_token_buckets_off_the_indexer_block_are_refused_at_config_time(ckpt):
-    from test.neuron_cpu import standins
+    from test.support.neuron import standins
 
     standins.bootstrap()
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
@@ -132,8 +132,8 @@ def test_compile_names_off_block_token_buckets_in_one_message(tmp_path, tiny_ckp
             "--context-buckets", "128,256", "--token-buckets", "100,256", "--compiled", str(out)]
     env = dict(os.environ, PYTHONPATH=str(REPO), PJRT_DEVICE="CPU")
     env.pop("NXD_CPU_MODE", None)
-    p = subprocess.run([sys.executable, "-m", "test.hlo.dry_run", *args], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-m", "test.support.hlo.dry_run", *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     assert "token-generation buckets [100, 256] must be multiples of index_block_size" in p.stderr

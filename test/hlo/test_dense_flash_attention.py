@@ -31,7 +31,7 @@ KERNEL_FLOPS = {256: 1_048_576 + 786_432, 1024: 12 * 1_048_576 + 36 * 262_144}
 
 @pytest.fixture(scope="module")
 def dry_flash(tmp_path_factory):
-    from test.hlo._shard import narrow_config
+    from test.support.hlo.nxd_shard_tp64 import narrow_config
 
     cfg = narrow_config().replace(sparse_layers=FLAGS)
     model = write_config(tmp_path_factory.mktemp("cfg") / "flash", cfg)

@@ -1,10 +1,10 @@
 """At TP=1 in float32 the traced modules, executed through XLA, give the golden logits and greedy tokens (issue 13).
 
-The modules are the ones ``compile --dry-run`` wrote for the tiny checkpoint (2 context-encoding and 2
-token-generation buckets); ``test.hlo.execute`` runs them with the weights NxD shards for rank 0. The oracle is the
-golden of the reference backend (``compute_golden``), itself graded against transformers in the shared suite. One
-prompt spans 8 indexer blocks (sparse selection drops blocks), the other decodes across the 128-token bucket boundary,
-so both decode buckets and the cache hand-over between graphs are exercised.
+The modules are the ones ``compile --dry-run`` wrote for the tiny checkpoint (2 context-encoding and 2 token-generation
+buckets); ``test.support.hlo.execute_graphs`` runs them with the weights NxD shards for rank 0. The oracle is the golden
+of the reference backend (``compute_golden``), itself graded against transformers in the shared suite. One prompt spans
+8 indexer blocks (sparse selection drops blocks), the other decodes across the 128-token bucket boundary, so both decode
+buckets and the cache hand-over between graphs are exercised.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def test_traced_graphs_give_the_golden_logits(dry_tiny, tiny_ckpt, tmp_path):
     prompts = [random_ids(37, seed=1), random_ids(125, seed=2)]
     steps = 6
     (tmp_path / "req.json").write_text(json.dumps({"prompts": prompts, "steps": steps}))
-    run_module("test.hlo.execute", str(dry_tiny), str(tiny_ckpt), str(tmp_path / "req.json"), str(tmp_path / "o.pt"),
-               timeout=2400)
+    run_module("test.support.hlo.execute_graphs", str(dry_tiny), str(tiny_ckpt), str(tmp_path / "req.json"),
+               str(tmp_path / "o.pt"), timeout=2400)
     got = torch.load(tmp_path / "o.pt")
     ref = ReferenceEngine.from_pretrained(tiny_ckpt, device="cpu", dtype="float32", max_seq_len=256)
     golden = compute_golden(ref, prompts, steps + 1)

@@ -115,8 +115,8 @@ def test_bad_layouts_fail_before_tracing_with_every_problem(bad, tmp_path, tiny_
             "split": ["--model", str(tiny_ckpt), "--tp", "3", "--ep", "2", "--seq-len", "256"]}[bad]
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "-m", "test.hlo.dry_run", *args, "--compiled", str(out)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-m", "test.support.hlo.dry_run", *args, "--compiled", str(out)], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     assert not out.exists()

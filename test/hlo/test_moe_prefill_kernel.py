@@ -27,7 +27,7 @@ ARGS = ["--tp", "64", "--ep", "64", "--lnc", "2", "--batch", "1", "--seq-len", "
 
 @pytest.fixture(scope="module")
 def dry_kernel(tmp_path_factory):
-    from test.hlo._shard import narrow_config
+    from test.support.hlo.nxd_shard_tp64 import narrow_config
 
     cfg = narrow_config().replace(hidden_size=512, intermediate_size=256, dense_intermediate_size=512,
                                   shared_intermediate_size=256, max_position_embeddings=8192)

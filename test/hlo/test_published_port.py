@@ -25,12 +25,12 @@ def both_ports(tmp_path_factory):
     if not (Path(os.environ.get("M3_CONTRIB_SRC", "")) / "modeling_minimax_m3.py").is_file():
         pytest.skip("side-by-side with the published port: set M3_CONTRIB_SRC to contrib/models/MiniMax-M3/src of an "
                     "NxDI checkout")
-    from test.hlo._shard import narrow_config
+    from test.support.hlo.nxd_shard_tp64 import narrow_config
 
     model = write_config(tmp_path_factory.mktemp("cfg") / "m3heads", narrow_config().replace(index_head_dim=64))
     ours, theirs = tmp_path_factory.mktemp("ours") / "d", tmp_path_factory.mktemp("contrib") / "d"
-    run_module("test.hlo.dry_run", "--model", str(model), "--compiled", str(ours), *SHAPE)
-    run_module("test.hlo.contrib_dry_run", "--model", str(model), "--compiled", str(theirs), *SHAPE)
+    run_module("test.support.hlo.dry_run", "--model", str(model), "--compiled", str(ours), *SHAPE)
+    run_module("test.support.hlo.contrib_dry_run", "--model", str(model), "--compiled", str(theirs), *SHAPE)
     return ours, theirs
 
 

@@ -16,13 +16,13 @@ VOCAB = 512
 
 
 def _graphs(ckpt, out, *flags):
-    stdout, _ = run_module("test.hlo._sampling_graph", str(ckpt), str(out), *flags)
+    stdout, _ = run_module("test.support.hlo.sampling_graph_dry_run", str(ckpt), str(out), *flags)
     return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def _topk_standin():
-    from . import scribe
+    from test.support.hlo import scribe
 
     if not hasattr(scribe, "TopK"):
         pytest.skip("the trace stand-ins have no TopK (torch_neuronx.xla_impl.ops.TopK, NxD's distributed top-k)")

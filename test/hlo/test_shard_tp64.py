@@ -1,14 +1,14 @@
 """NxD's own checkpoint sharding at TP=64 / EP=64 / LNC=2 equals the reference backend's shard plan, tensor by tensor.
 
-A narrow MiniMax-M3 with the real head and expert counts (64 q heads, 4 KV heads, 4 index heads, 128 experts,
-top-4; hidden 128, head_dim 8; one dense layer, two sparse MoE layers; :func:`_shard.narrow_config`) is written as
-a synthetic bf16 checkpoint in the release layout. NxD's ``ModelBuilder.shard_checkpoint`` (through NxDI's
-``get_builder()``, the path of ``shard_weights``) shards it for all 64 ranks in a subprocess (:mod:`._shard`); the
-oracle is the reference backend's loader (``reference.loader.load_model``) under ``ShardPlan(world=64, rank=r,
-ep=64)``: the parameters the reference model of rank r holds, sliced from the same checkpoint. Every tensor of
-every rank is compared bit-exactly (both are slices of the same tensors); the key map and every tensor that only one
-side has are stated in :mod:`._shard` and checked here. Ranks 0, 1, 15, 16, 17 and 63 are also checked against
-index arithmetic done by hand on the release tensors themselves.
+A narrow MiniMax-M3 with the real head and expert counts (64 q heads, 4 KV heads, 4 index heads, 128 experts, top-4;
+hidden 128, head_dim 8; one dense layer, two sparse MoE layers; :func:`nxd_shard_tp64.narrow_config`) is written as a
+synthetic bf16 checkpoint in the release layout. NxD's ``ModelBuilder.shard_checkpoint`` (through NxDI's
+``get_builder()``, the path of ``shard_weights``) shards it for all 64 ranks in a subprocess
+(:mod:`test.support.hlo.nxd_shard_tp64`); the oracle is the reference backend's loader (``reference.loader.load_model``)
+under ``ShardPlan(world=64, rank=r, ep=64)``: the parameters the reference model of rank r holds, sliced from the same
+checkpoint. Every tensor of every rank is compared bit-exactly (both are slices of the same tensors); the key map and
+every tensor that only one side has are stated in :mod:`test.support.hlo.nxd_shard_tp64` and checked here. Ranks 0, 1,
+15, 16, 17 and 63 are also checked against index arithmetic done by hand on the release tensors themselves.
 
 Needs the NxDI/NxD sources (``NXDI_SRC``/``NXD_SRC``) and the NxDI environment; otherwise one skip line.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from test.neuron_cpu import standins
+from test.support.neuron import standins
 
 _REASON = standins.missing_reason()
 if _REASON:
@@ -25,7 +25,7 @@ if _REASON:
 
 import torch  # noqa: E402
 
-from . import _shard as S  # noqa: E402
+from test.support.hlo import nxd_shard_tp64 as S  # noqa: E402
 
 SPOTLIGHT = (0, 1, 15, 16, 17, 63)
 

@@ -20,8 +20,7 @@ from minimax_m3 import GenerationConfig
 from minimax_m3.reference.engine import ReferenceEngine
 from minimax_m3.reference.loader import load_model
 from test.conftest import random_ids
-
-from ._distributed_worker import run
+from test.support.distributed_rank import run
 
 PROMPTS = [random_ids(70, seed=1), random_ids(41, seed=2)]  # > 2 blocks of 16 past the dense span: sparse paths
 STEPS = 6

@@ -2,7 +2,7 @@
 
 import pytest
 
-from . import standins
+from test.support.neuron import standins
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -17,4 +17,4 @@ def _neuron_cpu_only(request):
     if reason:
         pytest.skip(reason)
     if not standins.installed():
-        pytest.skip("the neuron-cpu plugin is not loaded: add -p test.neuron_cpu.plugin")
+        pytest.skip("the neuron-cpu plugin is not loaded: add -p test.support.neuron.cpu_plugin")

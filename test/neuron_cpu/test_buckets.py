@@ -72,7 +72,7 @@ def test_static_batching_matches_reference(ckpt):
     from minimax_m3.load import load_engine
     from minimax_m3.reference.engine import ReferenceEngine
 
-    from .plugin import neuron_cpu_engine_kwargs
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
 
     prompts = [random_ids(70, seed=41), random_ids(9, seed=42), random_ids(33, seed=43)]
     port = load_engine(ckpt, backend="neuron-cpu", **neuron_cpu_engine_kwargs(

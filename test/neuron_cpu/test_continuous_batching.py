@@ -28,7 +28,7 @@ def engines(tmp_path_factory):
     from minimax_m3.load import load_engine
     from minimax_m3.reference.engine import ReferenceEngine
 
-    from .plugin import neuron_cpu_engine_kwargs
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
 
     ck = write_synthetic(tmp_path_factory.mktemp("cb") / "tiny", M3Config.preset("tiny"), seed=0)
     port = load_engine(str(ck), backend="neuron-cpu", **neuron_cpu_engine_kwargs(

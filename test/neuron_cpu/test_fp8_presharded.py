@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run(mode: str, ckpt: Path, out: Path, tp: int) -> list[dict]:
     from safetensors.torch import load_file
 
-    proc = subprocess.run([sys.executable, "-m", "test.neuron_cpu._fp8_presharded", mode, str(ckpt), str(out),
+    proc = subprocess.run([sys.executable, "-m", "test.support.neuron.write_presharded_fp8", mode, str(ckpt), str(out),
                            str(tp)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [load_file(str(out / f"tp{r}_sharded_checkpoint.safetensors")) for r in range(tp)]

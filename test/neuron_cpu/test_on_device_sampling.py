@@ -27,7 +27,7 @@ def _app(ckpt, batch: int, all_logits: bool = False):
     from minimax_m3.neuron.build import application, build_neuron_config
     from minimax_m3.neuron.sampling import on_device_sampling_config
 
-    from .plugin import world_size
+    from test.support.neuron.cpu_plugin import world_size
 
     nc = build_neuron_config(tp_degree=world_size(), batch_size=batch, max_seq_len=96, max_context_length=80,
                              dtype="float32", on_cpu=True, continuous_batching=False, prefill_all_logits=all_logits,
@@ -149,7 +149,7 @@ def test_the_engine_drives_on_device_sampling(ckpt):
     from minimax_m3.reference.engine import ReferenceEngine
     from minimax_m3.engine.spec import EngineSpec
 
-    from .plugin import world_size
+    from test.support.neuron.cpu_plugin import world_size
 
     def engine(batch):
         return load_engine(EngineSpec(str(ckpt), backend="neuron-cpu", tp=world_size(), dtype="float32",

@@ -27,7 +27,7 @@ def engines(tmp_path_factory):
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
     from minimax_m3.reference.engine import ReferenceEngine
 
-    from .plugin import world_size
+    from test.support.neuron.cpu_plugin import world_size
 
     ck = str(write_synthetic(tmp_path_factory.mktemp("one") / "tiny", M3Config.preset("tiny"), seed=0))
     nc = build_neuron_config(tp_degree=world_size(), batch_size=SLOTS, max_seq_len=64, max_context_length=32,

@@ -38,7 +38,7 @@ def engines(ckpts):
     from minimax_m3.load import load_engine
     from minimax_m3.reference.engine import ReferenceEngine
 
-    from .plugin import neuron_cpu_engine_kwargs
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
 
     port = load_engine(str(ckpts[0]), backend="neuron-cpu",
                        **neuron_cpu_engine_kwargs(batch_size=3, max_seq_len=96, max_context_length=80))

@@ -24,7 +24,7 @@ def test_the_planner_names_the_chunk_the_port_runs(ckpt, monkeypatch, prompt, bu
     from minimax_m3.load import load_engine
     from minimax_m3.planner import plan
 
-    from .plugin import neuron_cpu_engine_kwargs
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
 
     seen = []
     step = ops.prefill_step

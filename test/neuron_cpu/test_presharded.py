@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from . import _presharded
-from .plugin import free_port
+from test.support.neuron import write_presharded
+from test.support.neuron.cpu_plugin import free_port
 
 pytestmark = pytest.mark.neuron_cpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +43,8 @@ def _files(d: Path, tp: int) -> list[dict]:
 
 @pytest.mark.parametrize("tp,ep,dtype", [(2, 1, "bfloat16"), (4, 2, "bfloat16"), (4, 1, "float32")])
 def test_streamed_rank_files_equal_nxd_shard_checkpoint(ckpt, tmp_path, tp, ep, dtype):
-    nxd = _presharded.run("nxd", ckpt, tmp_path / "nxd", tp, ep, dtype)
-    streamed = _presharded.run("stream", ckpt, tmp_path / "stream", tp, ep, dtype)
+    nxd = write_presharded.run("nxd", ckpt, tmp_path / "nxd", tp, ep, dtype)
+    streamed = write_presharded.run("stream", ckpt, tmp_path / "stream", tp, ep, dtype)
     assert streamed["units"] == 1 + 4  # the global tensors, then each of the tiny model's 4 layers
     want, got = _files(tmp_path / "nxd", tp), _files(tmp_path / "stream", tp)
     assert {p.name for p in (tmp_path / "stream").glob("tp*")} == {FILE.format(r) for r in range(tp)}
@@ -64,8 +64,8 @@ def test_streamed_rank_files_equal_nxd_shard_checkpoint(ckpt, tmp_path, tp, ep, 
 def test_compile_hook_streams_the_same_files(ckpt, tmp_path):
     """NxDI's ``shard_weights`` (what ``compile()`` calls with ``save_sharded_checkpoint``) goes through the port's
     override to ``write_sharded``: the same files in ``<compiled>/weights/``."""
-    _presharded.run("stream", ckpt, tmp_path / "stream", 2, 1)
-    assert _presharded.run("hook", ckpt, tmp_path / "hook", 2, 1)["write_sharded_calls"] == 1
+    write_presharded.run("stream", ckpt, tmp_path / "stream", 2, 1)
+    assert write_presharded.run("hook", ckpt, tmp_path / "hook", 2, 1)["write_sharded_calls"] == 1
     a, b = _files(tmp_path / "stream", 2), _files(tmp_path / "hook" / "compiled" / "weights", 2)
     for r in range(2):
         assert set(a[r]) == set(b[r]) and all(torch.equal(a[r][k], b[r][k]) for k in a[r])
@@ -74,15 +74,15 @@ def test_compile_hook_streams_the_same_files(ckpt, tmp_path):
 def test_a_parameter_no_key_fills_is_refused_by_name(ckpt, tmp_path):
     """The device path loads rank files by name (NxDI's strict=False load on CPU): a converter key that misses its
     parameter must fail while sharding, naming the parameter, and leave no rank file behind."""
-    got = _presharded.run("misnamed", ckpt, tmp_path / "bad", 2, 1)
-    assert got["error"] is not None and _presharded.MISNAMED in got["error"], got
+    got = write_presharded.run("misnamed", ckpt, tmp_path / "bad", 2, 1)
+    assert got["error"] is not None and write_presharded.MISNAMED in got["error"], got
     assert got["files"] == []
 
 
 def test_header_reservation_is_padding_only(ckpt, tmp_path):
     """The reserved header region ends in spaces (the safetensors format's padding), data starts 8-aligned, and
     the offsets cover the data exactly (safetensors' own loader checks that; read back above)."""
-    _presharded.run("stream", ckpt, tmp_path, 2, 1)
+    write_presharded.run("stream", ckpt, tmp_path, 2, 1)
     raw = (tmp_path / FILE.format(0)).read_bytes()
     n = int.from_bytes(raw[:8], "little")
     hdr = json.loads(raw[8:8 + n])
@@ -93,11 +93,11 @@ def test_header_reservation_is_padding_only(ckpt, tmp_path):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_cpu_mode_logits_from_streamed_shards(ckpt, tmp_path, tp):
-    _presharded.run("stream", ckpt, tmp_path / "w", tp, 1, "float32")
+    write_presharded.run("stream", ckpt, tmp_path / "w", tp, 1, "float32")
     out = tmp_path / "report.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", f"--master-port={free_port()}",
-           "-m", "test.neuron_cpu._presharded_cpu", str(ckpt), str(tmp_path / "w"), str(out)]
+           "-m", "test.support.neuron.load_presharded_rank", str(ckpt), str(tmp_path / "w"), str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rep = json.loads(out.read_text())

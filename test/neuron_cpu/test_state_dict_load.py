@@ -34,7 +34,7 @@ def _app(ckpt, cls=None):
     from minimax_m3.neuron.build import build_neuron_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
 
-    from .plugin import neuron_cpu_engine_kwargs
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
 
     kw = neuron_cpu_engine_kwargs(batch_size=1, max_seq_len=32, max_context_length=24)
     nc = build_neuron_config(on_cpu=True, **kw)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .plugin import free_port
+from test.support.neuron.cpu_plugin import free_port
 
 pytestmark = pytest.mark.neuron_cpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def test_suite_under_torchrun(tp, path, tmp_path):
     logs = tmp_path / "rank-logs"  # one stdout per rank: interleaved console output cannot be counted reliably
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", f"--master-port={free_port()}",
            f"--log-dir={logs}", "--redirects=3", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-           "-p", "test.neuron_cpu.plugin", "--backend", "neuron-cpu", path]
+           "-p", "test.support.neuron.cpu_plugin", "--backend", "neuron-cpu", path]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     rank_out = sorted(logs.glob("**/stdout.log"))
     text = "\n".join(f.read_text() for f in rank_out)

@@ -53,7 +53,7 @@ def ckpt_and_golden(tmp_path_factory):
 def port(ckpt_and_golden):
     from minimax_m3.load import load_engine
 
-    from .plugin import neuron_cpu_engine_kwargs
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
 
     return load_engine(str(ckpt_and_golden[0]), backend="neuron-cpu",
                        **neuron_cpu_engine_kwargs(batch_size=2, max_seq_len=32, max_context_length=24))

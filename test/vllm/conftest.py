@@ -2,9 +2,9 @@
 
 * ``test_plugin_inert.py`` runs everywhere (the project's own environment has neither vLLM nor the Neuron SDK).
 * ``test_serving_config.py`` needs NxDI/NxD sources (``NXDI_SRC``/``NXD_SRC``) and torch-xla: the SDK stand-ins
-  of ``test/neuron_cpu`` make NxDI's config classes importable (``.venv-nxdi`` or ``.venv-vllm``).
+  of ``test/support/neuron`` make NxDI's config classes importable (``.venv-nxdi`` or ``.venv-vllm``).
 * ``test_vllm_smoke.py`` needs those plus vLLM 0.13, vllm-neuron 0.4.1's source (``VLLM_NEURON_SRC``) and the
-  test platform plugin (``test/vllm/standin_platform``): ``scripts/test_vllm_offdevice.sh`` builds all of it.
+  test platform plugin (``test/support/vllm/standin_platform``): ``scripts/test_vllm_offdevice.sh`` builds all of it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from test.neuron_cpu import standins
+from test.support.neuron import standins
 
 
 def nxdi_missing() -> str | None:
@@ -31,7 +31,8 @@ def vllm_missing() -> str | None:
     if not os.path.isdir(os.path.join(src, "vllm_neuron")):
         return "vLLM smoke test: set VLLM_NEURON_SRC to a vllm-neuron 0.4.1 checkout (../shared/third_party/)"
     if importlib.util.find_spec("m3_vllm_standin_platform") is None:
-        return "vLLM smoke test: the test platform plugin is not installed (pip install -e test/vllm/standin_platform)"
+        return ("vLLM smoke test: the test platform plugin is not installed "
+                "(pip install -e test/support/vllm/standin_platform)")
     return None
 
 

@@ -107,8 +107,8 @@ def test_vllm_neuron_loads_what_compile_wrote_and_compiles_nothing(model, golden
     ``override_neuron_config`` takes vllm-neuron's load branch (the stand-in runs it on CPU instead of loading NEFFs)
     and gives the golden greedy tokens for the smoke test's prompts."""
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "test.vllm._precompiled", model, str(tmp_path / "art"), str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([sys.executable, "-m", "test.support.vllm.compile_then_generate", model,
+                           str(tmp_path / "art"), str(out)], cwd=REPO, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())

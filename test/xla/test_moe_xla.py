@@ -2,7 +2,7 @@
 
 import torch
 
-from . import _layer as L
+from test.support import layer_functions as L
 from .conftest import run_on_xla
 
 E, K, H, INTER = 8, 2, 32, 24

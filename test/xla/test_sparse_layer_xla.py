@@ -8,7 +8,7 @@ a new input shape, none on a second call with new data, and no op falls back to 
 
 import torch
 
-from . import _layer as L
+from test.support import layer_functions as L
 from .conftest import run_on_xla
 
 TOL = dict(rtol=0, atol=1e-5)

@@ -1,8 +1,9 @@
 """Analytic cost of the NKI kernels NxD calls from a traced graph (their FLOPs cannot be read from the HLO).
 
 A kernel reaches the graph as one ``AwsNeuronCustomNativeKernel`` custom call whose backend config is a small JSON
-``{"nki_kernel": name, ...static parameters}`` (what the graph harness's stand-ins write, ``test/hlo/nki_kernels.py``);
-``hlo_cost`` adds ``NKI_KERNEL_COST[name]`` of its operand shapes to the named FLOP class.
+``{"nki_kernel": name, ...static parameters}`` (what the graph harness's stand-ins write,
+``test/support/hlo/nki_kernels.py``); ``hlo_cost`` adds ``NKI_KERNEL_COST[name]`` of its operand shapes to the named
+FLOP class.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import math
 
 
 # NKI kernels whose cost is counted analytically from the custom call's operand shapes and the static parameters in
-# its backend config (JSON {"nki_kernel": name, ...}, what the graph harness's kernel stand-ins write, test/hlo/
-# nki_kernels.py): name -> (FLOP class, function(operand shapes, config) -> FLOPs, what the count assumes).
+# its backend config (JSON {"nki_kernel": name, ...}, what the graph harness's kernel stand-ins write,
+# test/support/hlo/nki_kernels.py): name -> (FLOP class, function(operand shapes, config) -> FLOPs, what the count
+# assumes).
 def _shard_on_i_flops(shapes, cfg: dict) -> int:
     """NxD's shard-on-intermediate dynamic-while blockwise MoE kernel (operands: conditions, hidden [T+1, H],
     affinities, gate_up [E_l, H, 2, I], down [E_l, I, H], ...). It computes ``num_static_block`` blocks, then loops

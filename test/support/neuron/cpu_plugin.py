@@ -1,7 +1,7 @@
 """pytest plugin for ``--backend neuron-cpu``: the project's NxDI port run eagerly in NxDI's own CPU mode.
 
-Load it with ``pytest_plugins = ["test.neuron_cpu.plugin"]`` in ``test/conftest.py`` or ``-p test.neuron_cpu.plugin``.
-With ``--backend neuron-cpu`` it
+Load it with ``pytest_plugins = ["test.support.neuron.cpu_plugin"]`` in ``test/conftest.py`` or
+``-p test.support.neuron.cpu_plugin`` (pyproject's ``addopts`` does). With ``--backend neuron-cpu`` it
 
 * skips every backend test with one line when ``NXDI_SRC``/``NXD_SRC`` (the NxDI and NxD ``src/`` folders)
   are not set, as in CI;

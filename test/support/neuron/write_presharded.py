@@ -1,6 +1,6 @@
 """Pre-sharded checkpoints two ways, each in a fresh interpreter (NxD's process-global sharding state never leaks).
 
-``python -m test.neuron_cpu._presharded MODE CKPT OUT TP EP [DTYPE]`` builds ``NeuronMiniMaxM3ForCausalLM`` for
+``python -m test.support.neuron.write_presharded MODE CKPT OUT TP EP [DTYPE]`` builds ``NeuronMiniMaxM3ForCausalLM`` for
 ``CKPT`` at TP / EP (``save_sharded_checkpoint=True``) and writes ``OUT/tp{r}_sharded_checkpoint.safetensors`` for
 every rank by
 
@@ -13,7 +13,8 @@ every rank by
 It writes ``OUT/report.json`` with the seconds taken, the resident memory when the sharding starts and the peak
 resident memory during it (``VmHWM`` reset at the start), so the difference is the sharding's own peak.
 
-As ``test/hlo/_shard.py``: NxD's sharding runs outside NxDI's CPU mode (``NXD_CPU_MODE`` unset), as on a trn2 host.
+As ``test/support/hlo/nxd_shard_tp64.py``: NxD's sharding runs outside NxDI's CPU mode (``NXD_CPU_MODE`` unset), as on
+a trn2 host.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     os.environ["BASE_COMPILE_WORK_DIR"] = str(out / "work") + "/"
 
-    from test.neuron_cpu import standins
+    from test.support.neuron import standins
 
     standins.bootstrap()
     os.environ.pop("NXD_CPU_MODE", None)
@@ -161,9 +162,9 @@ MISNAMED = "layers.1.post_attention_layernorm.weight"  # no NxD preshard hook re
 
 def run(mode: str, ckpt: Path, out: Path, tp: int, ep: int, dtype: str = "bfloat16", timeout: float = 900) -> dict:
     """:func:`main` in a fresh interpreter (this one's); returns ``report.json``."""
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "test.neuron_cpu._presharded", mode, str(ckpt), str(out), str(tp),
-                           str(ep), dtype], cwd=root, capture_output=True, text=True, timeout=timeout)
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-m", "test.support.neuron.write_presharded", mode, str(ckpt), str(out),
+                           str(tp), str(ep), dtype], cwd=root, capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
         raise RuntimeError(f"{mode} sharding subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads((out / "report.json").read_text())

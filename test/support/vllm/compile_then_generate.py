@@ -1,6 +1,6 @@
-"""``python -m test.vllm._precompiled MODEL DIR OUT.json``: ``minimax-m3 compile --for-vllm`` (CPU mode) writes DIR,
-then ``vllm.LLM`` with ``NEURON_COMPILED_ARTIFACTS=DIR`` and no ``override_neuron_config`` at all generates greedy
-tokens for the smoke test's prompts (in a fresh process: one NxDI CPU-mode model per process)."""
+"""``python -m test.support.vllm.compile_then_generate MODEL DIR OUT.json``: ``minimax-m3 compile --for-vllm`` (CPU
+mode) writes DIR, then ``vllm.LLM`` with ``NEURON_COMPILED_ARTIFACTS=DIR`` and no ``override_neuron_config`` at all
+generates greedy tokens for the smoke test's prompts (in a fresh process: one NxDI CPU-mode model per process)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def main(model: str, compiled: str, out: str) -> int:
     m3_vllm_standin_platform.setup()  # NxDI importable (stand-ins) before compile runs
     from minimax_m3.neuron import compile as m3_compile
 
-    from .test_vllm_smoke import MAX_LEN, PROMPTS, SEQS, STEPS
+    from test.vllm.test_vllm_smoke import MAX_LEN, PROMPTS, SEQS, STEPS
 
     m3_compile.main(["--backend", "neuron-cpu", "--for-vllm", "--model", model, "--dtype", "float32", "--batch",
                      str(SEQS), "--max-seq-len", str(MAX_LEN), "--context-buckets", "16,32,64", "--token-buckets",

@@ -1,12 +1,12 @@
-"""``python -m test.hlo._sampling_graph CONFIG_DIR OUT [--output-logits] [--no-sampling]``: NxDI's
+"""``python -m test.support.hlo.sampling_graph_dry_run CONFIG_DIR OUT [--output-logits] [--no-sampling]``: NxDI's
 ``compile(dry_run=True)`` of the port with on-device sampling (:mod:`minimax_m3.neuron.sampling`) at TP 1, float32,
 batch 2, buckets 128 and 256, then a JSON summary of every traced graph on stdout: the result tuple's leading
 outputs (dtype and shape), the user inputs' shapes (``input4``: the sampling params), and the count of ``rng``
 instructions (the seeded draw needs none).
 
-Runs with the trace stand-ins (``standins_trace``) in its own process, as ``test.hlo.dry_run``. NxD's NKI top-k kernel
-has no stand-in, so ``top_k_kernel_enabled=False`` traces NxD's other distributed top-k (the ``TopK`` custom call);
-on trn2 NxDI's default (the kernel) applies.
+Runs with the trace stand-ins (``standins_trace``) in its own process, as ``test.support.hlo.dry_run``. NxD's NKI top-k
+kernel has no stand-in, so ``top_k_kernel_enabled=False`` traces NxD's other distributed top-k (the ``TopK`` custom
+call); on trn2 NxDI's default (the kernel) applies.
 """
 
 from __future__ import annotations

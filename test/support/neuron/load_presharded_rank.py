@@ -1,6 +1,6 @@
 """One rank of NxDI's CPU mode under ``torchrun``: the port loaded the normal way and from pre-sharded rank files.
 
-``torchrun --nproc-per-node TP -m test.neuron_cpu._presharded_cpu CKPT WEIGHTS OUT.json``
+``torchrun --nproc-per-node TP -m test.support.neuron.load_presharded_rank CKPT WEIGHTS OUT.json``
 
 Engine A is NxDI's ``to_cpu()``: the whole converted state dict, sharded for this rank by NxD's
 ``get_sharded_checkpoint``. Engine B is the same ``to_cpu()`` with that one step replaced by what NxDI's
@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from minimax_m3.engine import GenerationConfig
-    from test.neuron_cpu import standins
+    from test.support.neuron import standins
 
     standins.bootstrap()
     ckpt, weights, out = argv[0], Path(argv[1]), Path(argv[2])

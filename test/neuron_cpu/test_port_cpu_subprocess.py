@@ -1,8 +1,9 @@
 """The NxDI port run for real in NxDI's CPU mode (TP 1), against the reference backend.
 
 Needs the NxDI/NxD sources (``NXDI_SRC``, ``NXD_SRC``) and a Python with NxDI's pins (torch 2.9, torch-xla 2.9,
-transformers 4.57): ``NXDI_PYTHON`` (default: this interpreter). The checks run in a subprocess because the
-Neuron stand-ins (``test/neuron_cpu/standins.py``) must not leak into this test session.
+transformers 4.57): ``NXDI_PYTHON`` (default: this interpreter). The checks run in a subprocess of their own (TP 1,
+its own process group on a free port; the Neuron stand-ins: ``test/support/neuron/standins.py``), apart from the
+NxDI state of this session.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from test.support.neuron.cpu_plugin import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4  # float32
@@ -31,7 +34,7 @@ def results(tmp_path_factory):
         pytest.skip(_reason())
     ck = tmp_path_factory.mktemp("ck") / "tiny"
     py = os.environ.get("NXDI_PYTHON", sys.executable)
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT / 'test' / 'neuron_cpu'}")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}", MASTER_PORT=str(free_port()))
     r = subprocess.run([py, __file__, str(ck)], capture_output=True, text=True, env=env, timeout=1800)
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-5000:]
@@ -62,7 +65,7 @@ def test_config_reload_is_idempotent_and_reads_raw_config_json(results):
 
 
 def _main(ck: str) -> None:  # runs inside the NxDI interpreter
-    import standins
+    from test.support.neuron import standins
 
     standins.bootstrap()
     import torch

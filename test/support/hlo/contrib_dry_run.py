@@ -1,6 +1,6 @@
-"""``python -m test.hlo.contrib_dry_run ARGS``: the published community port (NxDI ``contrib/models/MiniMax-M3``)
-traced by the same harness at the same shapes as ``minimax-m3 compile --dry-run ARGS``, so ``minimax-m3 graphs`` can put
-both ports side by side.
+"""``python -m test.support.hlo.contrib_dry_run ARGS``: the published community port (NxDI
+``contrib/models/MiniMax-M3``) traced by the same harness at the same shapes as ``minimax-m3 compile --dry-run ARGS``,
+so ``minimax-m3 graphs`` can put both ports side by side.
 
 ``M3_CONTRIB_SRC`` names the port's ``src/`` folder (``modeling_minimax_m3.py``) in a checkout of NxDI; it is read from
 there and never copied. Its config is built the way its README does (the release's ``text_config`` promoted to the top

@@ -1,4 +1,4 @@
-"""``python -m test.hlo.dry_run ARGS``: ``minimax-m3 compile --dry-run ARGS`` with the trace stand-ins installed (needs
+"""``python -m test.support.hlo.dry_run ARGS``: ``compile --dry-run ARGS`` (the CLI) with the trace stand-ins (needs
 ``NXDI_SRC``/``NXD_SRC``). A separate process per trace: NxD's mock distributed state and the stand-ins stay out of
 the test process."""
 

@@ -1,5 +1,5 @@
 """Stand-ins for the ``torch_neuronx`` trace pieces, so that NxDI's own ``compile(dry_run=True)`` writes every bucket's
-HLO module here, without the Neuron SDK. Test code (like ``test/neuron_cpu/standins.py``, whose import machinery it
+HLO module here, without the Neuron SDK. Test code (like ``test/support/neuron/standins.py``, whose import machinery it
 extends); the NxDI/NxD sources come from ``NXDI_SRC``/``NXD_SRC``.
 
 ``torch_neuronx`` is a closed wheel, but the functions NxD calls on this path are thin layers over public torch-xla:
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from test.neuron_cpu import standins
+from test.support.neuron import standins
 
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.int32: "s32",
           torch.int64: "s64", torch.bool: "pred", torch.uint8: "u8", torch.int8: "s8",

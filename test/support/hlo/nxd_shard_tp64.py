@@ -1,13 +1,13 @@
 """NxD's own checkpoint sharding at TP=64 / EP=64 / LNC=2 on a narrow MiniMax-M3, and the key map to the reference.
 
-``python -m test.hlo._shard CKPT OUT`` (run by ``test_shard_tp64.py`` in a subprocess of the NxDI environment, so
-NxD's process-global state — ``mock_distributed``, ``parallel_state``, the MoE process groups, env vars — never
-leaks into other tests) builds ``NeuronMiniMaxM3ForCausalLM`` with the trn2.48xlarge layout of
+``python -m test.support.hlo.nxd_shard_tp64 CKPT OUT`` (run by ``test_shard_tp64.py`` in a subprocess of the NxDI
+environment, so NxD's process-global state — ``mock_distributed``, ``parallel_state``, the MoE process groups, env vars
+— never leaks into other tests) builds ``NeuronMiniMaxM3ForCausalLM`` with the trn2.48xlarge layout of
 ``minimax_m3.neuron.compile.TRN2`` and runs ``get_builder().shard_checkpoint(serialize_path=OUT)``: NxD's
 ``ModelBuilder.shard_checkpoint`` under ``mock_distributed(64)`` on the meta device, one process, writing
 ``tp{r}_sharded_checkpoint.safetensors`` for r = 0..63 exactly as NxDI's ``shard_weights`` does with
-``save_sharded_checkpoint``. It also writes ``report.json``: the converter's keys as NxD received them, the keys
-NxD dropped as redundant (its warning, parsed), the expert-parallel meshes, the layout and the time taken.
+``save_sharded_checkpoint``. It also writes ``report.json``: the converter's keys as NxD received them, the keys NxD
+dropped as redundant (its warning, parsed), the expert-parallel meshes, the layout and the time taken.
 
 NxD runs here *outside* NxDI's CPU mode (the stand-ins set ``NXD_CPU_MODE=1``; we unset it): in CPU mode NxD's
 ``initialize_model_parallel`` asks for gloo groups that ``mock_distributed`` cannot make, and on a trn2 host the
@@ -155,8 +155,8 @@ def run_nxd_sharding(ckpt: Path, out: Path, timeout: float = 300) -> dict:
     """Run :func:`main` in a fresh interpreter (this one's: the NxDI environment); returns ``report.json``."""
     import subprocess
 
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "test.hlo._shard", str(ckpt), str(out)], cwd=root,
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-m", "test.support.hlo.nxd_shard_tp64", str(ckpt), str(out)], cwd=root,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
         raise RuntimeError(f"NxD sharding subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -168,7 +168,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     os.environ["BASE_COMPILE_WORK_DIR"] = str(out / "work") + "/"  # NxDI's builder work dir: not the shared /tmp
 
-    from test.neuron_cpu import standins
+    from test.support.neuron import standins
 
     standins.bootstrap()
     os.environ.pop("NXD_CPU_MODE", None)  # NxD's real (device) sharding path, see the module docstring

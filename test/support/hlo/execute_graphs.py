@@ -1,4 +1,5 @@
-"""``python -m test.hlo.execute DRY CKPT REQUEST.json OUT.pt``: the traced TP=1 modules executed through XLA.
+"""``python -m test.support.hlo.execute_graphs DRY CKPT REQUEST.json OUT.pt``: the traced TP=1 modules executed
+through XLA.
 
 Proves the graphs ``compile --dry-run`` wrote compute the model (not only that they exist): NxD shards the checkpoint
 for rank 0 exactly as it would for the NEFF (``ModelBuilder.shard_checkpoint``), each bucket is traced again in this

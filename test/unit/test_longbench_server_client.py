@@ -1,5 +1,5 @@
 """``minimax-m3 longbench --server``: the client side without a server (the runs through ``vllm serve`` itself are in
-``test/vllm/test_longbench_server.py``)."""
+``test/vllm/test_longbench_vllm_serve.py``)."""
 
 import importlib.util
 from types import SimpleNamespace as NS

@@ -1,5 +1,5 @@
-"""One sharding run of a ``--weights fp8`` build in a fresh interpreter (NxD's mock distribution):
-``python -m test.neuron_cpu._fp8_presharded stream|nxd CKPT OUT TP`` writes ``OUT/tp{r}_sharded_checkpoint.safetensors``
+"""One sharding run of a ``--weights fp8`` build in a fresh interpreter (NxD's mock distribution): ``python -m
+test.support.neuron.write_presharded_fp8 stream|nxd CKPT OUT TP`` writes ``OUT/tp{r}_sharded_checkpoint.safetensors``
 through ``neuron.sharded.write_sharded`` (stream) or NxD's ``ModelBuilder.shard_checkpoint`` (nxd)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ def main(argv: list[str]) -> int:
     mode, ckpt, out, tp = argv[0], argv[1], Path(argv[2]), int(argv[3])
     out.mkdir(parents=True, exist_ok=True)
     os.environ["BASE_COMPILE_WORK_DIR"] = str(out / "work") + "/"
-    from test.neuron_cpu import standins
+    from test.support.neuron import standins
 
     standins.bootstrap()
     os.environ.pop("NXD_CPU_MODE", None)

@@ -3,7 +3,7 @@
 ``register`` (entry point ``vllm.platform_plugins: m3_standin_neuron``, chosen with ``VLLM_PLUGINS``) is active
 only with ``M3_VLLM_STANDIN=1``. It puts the NxDI/NxD sources (``NXDI_SRC``, ``NXD_SRC``) and vllm-neuron's
 (``VLLM_NEURON_SRC``) on ``sys.path``, installs the project's Neuron SDK stand-ins
-(``test/neuron_cpu/standins.py``: NxDI's CPU mode) and returns :class:`.platform.StandinNeuronPlatform`, which
+(``test/support/neuron/standins.py``: NxDI's CPU mode) and returns :class:`.platform.StandinNeuronPlatform`, which
 differs from vllm-neuron's platform only in its worker: :mod:`.worker` builds the NxDI application and runs it
 with ``to_cpu()`` where vllm-neuron would compile NEFFs and load them onto NeuronCores.
 
@@ -17,13 +17,13 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(os.environ.get("M3_REPO_ROOT") or Path(__file__).resolve().parents[4])
+REPO = Path(os.environ.get("M3_REPO_ROOT") or Path(__file__).resolve().parents[5])
 
 
 def _standins():
     name = "m3_neuron_standins"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "test" / "neuron_cpu" / "standins.py")
+        spec = importlib.util.spec_from_file_location(name, REPO / "test" / "support" / "neuron" / "standins.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

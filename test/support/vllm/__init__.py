@@ -1,0 +1,1 @@
+"""vLLM test support: the stand-in platform plugin and the compile-then-generate entry point."""
