@@ -211,3 +211,28 @@ def test_partial_attention_reads_only_its_keys_of_the_selected_blocks(group):
     got = sh.sharded_attention(q[:, :, -tq:], sh.shard(k2, group, 2), sh.shard(v2, group, 2), q_pos, scale, blocks,
                                BS)
     assert torch.equal(got, want)
+
+
+def test_gathered_bytes_are_counted_from_the_gathers():
+    """What partial_attention's gathers return (recorded under a dispatch mode) is gathered_kv_bytes per row and KV
+    head; for M3 (block 128, top-16, D 128, bf16, G = 16) that is 1 MiB per 16 queries."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Gathers(TorchDispatchMode):
+        nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.index_select.default:
+                Gathers.nbytes += out.numel() * out.element_size()
+            return out
+
+    group, tq, s = 4, 8, 128
+    q, k, v, iq, ik = _model_inputs(s, seed=40)
+    q_pos = torch.arange(s - tq, s).expand(B, tq)
+    blocks = _unsharded_blocks(iq[:, :, -tq:], ik, q_pos, ops.Selection(BS, TOPK))
+    shards = sh.shard(k.bfloat16(), group, 2), sh.shard(v.bfloat16(), group, 2)
+    with Gathers():
+        sh.partial_attention(q[:, :, -tq:].bfloat16(), shards[0][1], shards[1][1], q_pos, 1, group, 0.25, blocks, BS)
+    assert Gathers.nbytes == B * HKV * sh.gathered_kv_bytes(tq, TOPK, BS, group, D, 2)
+    assert sh.gathered_kv_bytes(16, 16, 128, 16, 128, 2) == 2 ** 20

@@ -200,6 +200,12 @@ def partial_attention(q: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Ten
     return out, top.transpose(2, 3).reshape(b, hq, tq), total.transpose(2, 3).reshape(b, hq, tq)
 
 
+def gathered_kv_bytes(tokens: int, topk: int, block_size: int, group: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V bytes one rank gathers for ``tokens`` queries of one KV head in a sparse layer (per batch row):
+    ``tokens x topk x (block/G) x D x 2 x dtype bytes`` (what :func:`partial_attention` reads with ``blocks``)."""
+    return tokens * topk * (block_size // group) * head_dim * 2 * dtype_bytes
+
+
 def combine_weights(maxes: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
     """Each rank's weight ``[G, ...]`` from the group's statistics ``maxes, sums [G, ...]`` (the all-gather):
     ``exp(max_r - M) sum_r / sum_s exp(max_s - M) sum_s`` with ``M`` the max over ranks (log-sum-exp merge; the
