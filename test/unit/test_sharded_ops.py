@@ -66,6 +66,8 @@ def test_layout_and_chunk_rules_name_the_sizes_that_work():
         sh.check_chunk(20, 16, 3)
     with pytest.raises(ValueError):  # a LayoutError is a ValueError and an M3Error
         sh.check_chunk(0, 128, 16)
+    with pytest.raises(sh.LayoutError, match="multiples of 4"):
+        sh.write_chunk(torch.zeros(1, 8, 2), torch.zeros(1, 4, 2), 2, 0, 4, seq_dim=1)
 
 
 # ---- selection -----------------------------------------------------------------------------------------------

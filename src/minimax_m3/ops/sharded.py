@@ -69,8 +69,8 @@ def check_chunk(chunk: int, block_size: int, group: int = 1) -> None:
     if chunk < 1 or chunk % unit:
         lo, hi = chunk // unit * unit, -(-max(chunk, 1) // unit) * unit
         near = [n for n in dict.fromkeys((lo, hi)) if n > 0]
-        raise LayoutError(f"prefill chunk of {chunk} tokens: it must be a multiple of {unit} (index block "
-                          f"{block_size}, KV group of {group} ranks); nearest that work: {near}")
+        raise LayoutError(f"prefill chunk of {chunk} tokens: it must be a multiple of {unit} (the lcm of the index "
+                          f"block, {block_size}, and the KV group size, {group}); nearest that work: {near}")
 
 
 def owner(positions: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +100,9 @@ def write_chunk(shard: torch.Tensor, new: torch.Tensor, start, rank, group: int,
     ``G``) at positions ``start .. start+T-1`` along ``seq_dim``; ``start`` (int, or ``[B]`` per row) is a multiple
     of ``G``, so the rank's tokens are ``new[rank::G]`` and go to slots ``start/G .. start/G + T/G - 1``."""
     t = new.shape[seq_dim]
-    if t % group:
-        raise LayoutError(f"a chunk of {t} tokens does not split over a group of {group} ranks")
+    if t % group or (isinstance(start, int) and start % group):
+        raise LayoutError(f"a chunk of {t} tokens at position {start} does not split over a group of {group} ranks: "
+                          f"both must be multiples of {group}")
     mine = new.unflatten(seq_dim, (t // group, group)).index_select(seq_dim + 1, _rank(rank, new.device))
     start = torch.as_tensor(start, device=new.device).view(-1, 1)
     slots = (start // group + torch.arange(t // group, device=new.device).view(1, -1)).expand(new.shape[0], -1)
@@ -177,12 +178,10 @@ def partial_attention(q: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Ten
     b, hq, tq, d = q.shape
     h, slots = k_shard.shape[1], k_shard.shape[2]
     r = hq // h
-    limit = last_slot(q_pos, rank, group).view(b, 1, tq, 1)
     if blocks is None:
         qg = q.reshape(b, h, r * tq, d)
         scores = (torch.matmul(qg, k_shard.transpose(-1, -2)) * scale).view(b, h, r, tq, slots)
-        keep = (torch.arange(slots, device=q.device).view(1, 1, 1, slots) <= limit).unsqueeze(2)
-        p, top, total = _partial_softmax(scores, keep)
+        p, top, total = _partial_softmax(scores, shard_keep(q_pos, slots, rank, group).unsqueeze(2))
         out = torch.matmul(p.to(v_shard.dtype).view(b, h, r * tq, slots), v_shard).view(b, hq, tq, d)
         return out, top.view(b, hq, tq), total.view(b, hq, tq)
     per = block_size // group
@@ -192,7 +191,8 @@ def partial_attention(q: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Ten
     kg = k_shard.reshape(b * h * nblk, per, d).index_select(0, rows).view(b, h, tq, kk * per, d)
     vg = v_shard.reshape(b * h * nblk, per, d).index_select(0, rows).view(b, h, tq, kk * per, d)
     slot = blocks.clamp(min=0).unsqueeze(-1) * per + torch.arange(per, device=q.device)  # [B, H, Tq, K, per]
-    keep = ((blocks >= 0).unsqueeze(-1) & (slot <= limit.unsqueeze(-1))).view(b, h, tq, 1, kk * per)
+    limit = last_slot(q_pos, rank, group).view(b, 1, tq, 1, 1)
+    keep = ((blocks >= 0).unsqueeze(-1) & (slot <= limit)).view(b, h, tq, 1, kk * per)
     qg = q.reshape(b, h, r, tq, d).transpose(2, 3)  # [B, H, Tq, r, D]: the heads share the gather
     scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [B, H, Tq, r, K * per]
     p, top, total = _partial_softmax(scores, keep)
