@@ -73,3 +73,21 @@ def test_topk_op_is_injectable_and_order_free():
                                 topk_fn=reversed_topk)
     assert calls, "the injected top-k was not used"
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("start", [48, 96, 144])
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+def test_a_later_call_over_the_cache_equals_the_one_call_prefill(start, sparse):
+    """A chunked prefill's later call: queries ``start..`` over a whole-block cache holding every key (the earlier
+    calls' and its own; slots past them hold stale entries, large and finite as a cache's are, that must weigh
+    nothing) equal the one-call prefill's rows."""
+    q, k, v, iq, ik = _qkv(seed=30)
+    idx = dict(iq=iq, ik=ik, block_size=BS, topk=TOPK) if sparse else {}
+    want = ops.prefill_attention(q, k, v, D ** -0.5, tile=48, **idx)
+    end = min(S, start + 40)
+    pad = lambda x, dim: torch.cat([x, torch.full_like(x.narrow(dim, 0, 10), 1e4)], dim)  # noqa: E731
+    kc, vc, ikc = pad(k[:, :, :end], 2), pad(v[:, :, :end], 2), pad(ik[:, :end], 1)  # stale slots past the call
+    if sparse:
+        idx = dict(iq=iq[:, :, start:end], ik=ikc, block_size=BS, topk=TOPK)
+    got = ops.prefill_attention(q[:, :, start:end], kc, vc, D ** -0.5, tile=16, start=start, **idx)
+    torch.testing.assert_close(got, want[:, :, start:end], atol=TOL, rtol=0)

@@ -43,6 +43,41 @@ def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, 
     return scores.view(b, g, tq, nblk, block_size).amax(dim=-1)
 
 
+def force_blocks(block_scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, init_blocks: int = 0,
+                 local_blocks: int = 1) -> torch.Tensor:
+    """The selection rule before the top-k: future blocks (``b > p // block_size``) score ``-inf``, the init blocks
+    (``b < init_blocks``) and the query's own ``local_blocks`` most recent blocks ``+inf`` (when not in the future).
+    ``block_scores [B, G, Tq, nblk]``, ``q_pos [B, Tq]``; a partial (one rank's) score table follows the same rule."""
+    b, g, tq, nblk = block_scores.shape
+    blk = torch.arange(nblk, device=block_scores.device).view(1, 1, 1, nblk)
+    q_block = (q_pos // block_size).view(b, 1, tq, 1)
+    valid = blk <= q_block
+    forced = ((blk < init_blocks) | (blk > q_block - local_blocks)) & valid
+    return block_scores.masked_fill(~valid, float("-inf")).masked_fill(forced, float("inf"))
+
+
+def top_blocks(scores: torch.Tensor, k: int, topk_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best blocks of ``scores [..., nblk]`` (float32) as ``(values, ids)``, ids int64 and ``-1`` where the
+    value is ``-inf`` (nothing to attend). **Ties: of equal scores the lower block id wins**, whatever the top-k op.
+
+    ``topk_fn(x, k, dim=-1) -> (values, indices)`` replaces ``torch.topk`` (the Neuron port passes the SDK's top-k,
+    whose tie order is unspecified); only its VALUES are used, so any order and index dtype work. Two top-k passes,
+    no sort: the first finds the k-th best score ``s_k``; the second ranks the exact integer key ``2n - id`` for
+    blocks scoring above ``s_k``, ``n - id`` for blocks scoring ``s_k`` and ``0`` below (``n = nblk``; exact in
+    float32 for ``n < 2**23``), so every block above ``s_k`` wins and the lowest ids of the ties fill the rest. The
+    ids come back (in the order the op returns them; ``torch.topk``: above ``s_k`` by id, then the ties by id) from
+    the key's values."""
+    topk_fn = topk_fn or torch.topk
+    nblk = scores.shape[-1]
+    kth = topk_fn(scores, k, dim=-1)[0].amin(dim=-1, keepdim=True)
+    blk = torch.arange(nblk, device=scores.device, dtype=torch.float32)
+    key = torch.where(scores > kth, 2 * nblk - blk, torch.where(scores == kth, nblk - blk, torch.zeros_like(blk)))
+    won = topk_fn(key, k, dim=-1)[0]
+    ids = torch.where(won > nblk, 2 * nblk - won, nblk - won).to(torch.int64)
+    vals = torch.gather(scores, -1, ids)
+    return vals, ids.masked_fill(vals == float("-inf"), -1)
+
+
 def select_blocks(
     block_scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int, init_blocks: int = 0,
     local_blocks: int = 1, topk_fn=None,
@@ -50,17 +85,11 @@ def select_blocks(
     """Top-k block ids ``[B, G, Tq, min(topk, nblk)]`` (int64, ``-1`` for an empty slot).
 
     Future blocks never win. Init blocks (``b < init_blocks``) and the query's own ``local_blocks`` most recent
-    blocks are forced in (as long as they are not in the future). ``topk_fn(x, k, dim=-1) -> (values, indices)``
-    replaces ``torch.topk`` (any order of the k winners; the Neuron port passes the SDK's top-k, not a sort).
-    """
-    b, g, tq, nblk = block_scores.shape
-    blk = torch.arange(nblk, device=block_scores.device).view(1, 1, 1, nblk)
-    q_block = (q_pos // block_size).view(b, 1, tq, 1)
-    valid = blk <= q_block
-    forced = ((blk < init_blocks) | (blk > q_block - local_blocks)) & valid
-    scores = block_scores.masked_fill(~valid, float("-inf")).masked_fill(forced, float("inf"))
-    vals, idx = (topk_fn or torch.topk)(scores, min(topk, nblk), dim=-1)
-    return idx.to(torch.int64).masked_fill(vals == float("-inf"), -1)
+    blocks are forced in (as long as they are not in the future): :func:`force_blocks`. Equal scores: the lower
+    block id wins (:func:`top_blocks`, also with ``topk_fn``, e.g. the Neuron port's SDK top-k). The sharded
+    selection (``ops.sharded``) follows the same rule and returns the same ids."""
+    scores = force_blocks(block_scores, q_pos, block_size, init_blocks, local_blocks)
+    return top_blocks(scores, min(topk, scores.shape[-1]), topk_fn)[1]
 
 
 def select_blocks_for_queries(

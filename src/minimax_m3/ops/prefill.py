@@ -1,9 +1,12 @@
-"""Causal prefill from position 0 in query chunks: dense, or block-sparse reading only the selected key blocks.
+"""Causal prefill in query chunks: dense, or block-sparse reading only the selected key blocks.
 
 Queries ``[B, Hq, S, D]``, keys/values ``[B, G, S, D]`` (query head ``h`` in KV group ``h // (Hq / G)``); index
-queries ``[B, G, S, Di]`` and index keys ``[B, S, Di]`` switch on MiniMax Sparse Attention. The prompt is walked in
-query chunks of ``chunk`` queries (a static Python loop over ``ceil(S / chunk)`` chunks; the Neuron port picks
-``chunk`` so that their number is a constant, :func:`chunk_for`). In chunk ``[t0, t1)``:
+queries ``[B, G, S, Di]`` and index keys ``[B, S, Di]`` switch on MiniMax Sparse Attention. A prefill CALL starts at
+position 0 (a whole prompt) or, with ``start``, at a later position: a chunked prefill's later call, whose queries
+``start .. start+S-1`` attend to the cache the earlier calls wrote plus themselves (keys ``[B, G, >= start+S, D]``,
+written first). The call is walked in query chunks of ``chunk`` queries (a static Python loop over ``ceil(S /
+chunk)`` chunks; the Neuron port picks ``chunk`` so that their number is a constant, :func:`chunk_for`). In chunk
+``[t0, t1)``:
 
 * the indexer scores the chunk's queries against the keys ``< t1`` only, max-pools per block and takes the top-k
   (``indexer.select_blocks``); a chunk whose queries see at most ``topk`` blocks skips it (every causal block would
@@ -29,6 +32,15 @@ from .indexer import index_block_scores, select_blocks
 # gathered K/V, scores, index scores) keeps 32K at batch 1 within a trn2 rank's HBM by the planner (23.39 of 24 GiB).
 PREFILL_CHUNKS = 8
 PREFILL_MAX_CHUNK = 4096
+# A prompt is prefilled in CALLS of at most this many tokens by default (issue 23: each call attends to the cache
+# the earlier calls wrote plus itself, so a long prompt's working memory is one call's): the reference backend's
+# default, rounded down to whole index blocks (``call_tokens``); the Neuron port's call size is the planner's choice.
+MAX_PREFILL_CALL = 8192
+
+
+def call_tokens(block_size: int, max_call: int | None = None) -> int:
+    """Tokens per prefill call: ``max_call`` (default :data:`MAX_PREFILL_CALL`) rounded down to whole blocks."""
+    return max(block_size, (max_call or MAX_PREFILL_CALL) // block_size * block_size)
 
 
 def chunk_for(seq_len: int, chunks: int, block_size: int, max_chunk: int | None = None) -> int:
@@ -43,12 +55,13 @@ def chunk_for(seq_len: int, chunks: int, block_size: int, max_chunk: int | None 
 
 
 def select_chunk(iq: torch.Tensor, ik: torch.Tensor, t0: int, t1: int, block_size: int, topk: int,
-                 init_blocks: int = 0, local_blocks: int = 1, topk_fn=None) -> torch.Tensor:
-    """Selected blocks ``[B, G, t1 - t0, min(topk, ceil(t1 / block))]`` of the queries ``t0..t1-1`` of a prefill from
-    position 0 (``-1`` = empty slot), scored against the keys ``< t1`` only."""
+                 init_blocks: int = 0, local_blocks: int = 1, topk_fn=None, start: int = 0) -> torch.Tensor:
+    """Selected blocks ``[B, G, t1 - t0, min(topk, ceil(t1 / block))]`` of the queries at positions ``t0..t1-1``
+    (``-1`` = empty slot), scored against the keys ``< t1`` only. ``iq`` holds the queries of a call starting at
+    position ``start`` (0: a prefill from position 0), ``ik`` the index keys from position 0."""
     b = iq.shape[0]
     q_pos = torch.arange(t0, t1, device=iq.device).unsqueeze(0).expand(b, -1)
-    scores = index_block_scores(iq[:, :, t0:t1], ik[:, :t1], q_pos, block_size)
+    scores = index_block_scores(iq[:, :, t0 - start:t1 - start], ik[:, :t1], q_pos, block_size)
     return select_blocks(scores, q_pos, block_size, topk, init_blocks, local_blocks, topk_fn=topk_fn)
 
 
@@ -91,26 +104,29 @@ def attend_blocks(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tenso
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, iq: torch.Tensor | None = None,
     ik: torch.Tensor | None = None, block_size: int = 128, topk: int = 16, init_blocks: int = 0,
-    local_blocks: int = 1, tile: int = 256, topk_fn=None,
+    local_blocks: int = 1, tile: int = 256, topk_fn=None, start: int = 0,
 ) -> torch.Tensor:
-    """Causal prefill from position 0 over ``S`` tokens in query chunks of ``tile``, dense or (with ``iq``/``ik``)
-    block-sparse (see the module). ``topk_fn(x, k, dim=-1) -> (values, indices)`` replaces ``torch.topk`` (the
-    Neuron port passes the SDK's top-k op)."""
+    """Causal prefill of the ``S`` queries ``q [B, Hq, S, D]`` at positions ``start .. start+S-1`` in query chunks
+    of ``tile``, dense or (with ``iq [B, G, S, Di]`` / ``ik``) block-sparse (see the module). ``k, v`` (and ``ik``)
+    hold the keys from position 0, at least ``start + S`` of them (more are never read: a whole cache of whole
+    blocks is paged by block without a copy). ``topk_fn(x, k, dim=-1) -> (values, indices)`` replaces
+    ``torch.topk`` (the Neuron port passes the SDK's top-k op)."""
     b, _, s, d = q.shape
-    g = k.shape[1]
-    nblk = -(-s // block_size)
-    if iq is not None and nblk > topk:  # the caches viewed by block, once (padded to whole blocks)
-        pad = nblk * block_size - s
-        k_blocks = F.pad(k, (0, 0, 0, pad)).view(b, g, nblk, block_size, d)
-        v_blocks = F.pad(v, (0, 0, 0, pad)).view(b, g, nblk, block_size, d)
+    g, end = k.shape[1], start + s
+    if iq is not None and -(-end // block_size) > topk:  # the caches viewed by block, once (whole blocks)
+        nblk = -(-k.shape[2] // block_size)
+        pad = nblk * block_size - k.shape[2]
+        k_blocks = (F.pad(k, (0, 0, 0, pad)) if pad else k).reshape(b, g, nblk, block_size, d)
+        v_blocks = (F.pad(v, (0, 0, 0, pad)) if pad else v).reshape(b, g, nblk, block_size, d)
     outs = []
-    for t0 in range(0, s, tile):
-        t1 = min(s, t0 + tile)
+    for t0 in range(start, end, tile):
+        t1 = min(end, t0 + tile)
         q_pos = torch.arange(t0, t1, device=q.device)
+        qc = q[:, :, t0 - start:t1 - start]
         if iq is None or -(-t1 // block_size) <= topk:  # dense, or every causal block would be selected
             keep = causal_keep(q_pos.unsqueeze(0).expand(b, -1), t1)
-            outs.append(masked_attention(q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], keep, scale))
+            outs.append(masked_attention(qc, k[:, :, :t1], v[:, :, :t1], keep, scale))
             continue
-        blocks = select_chunk(iq, ik, t0, t1, block_size, topk, init_blocks, local_blocks, topk_fn)
-        outs.append(attend_blocks(q[:, :, t0:t1], k_blocks, v_blocks, blocks, q_pos, scale))
+        blocks = select_chunk(iq, ik, t0, t1, block_size, topk, init_blocks, local_blocks, topk_fn, start)
+        outs.append(attend_blocks(qc, k_blocks, v_blocks, blocks, q_pos, scale))
     return torch.cat(outs, dim=2)

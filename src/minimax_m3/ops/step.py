@@ -4,7 +4,8 @@ Called by the reference model, the Neuron port's attention and the XLA proofs (`
 code that ships. Caches are read, never written, here: each backend's cache writes the step's new entries once, in
 place, after the step (the reference's ``KVCache``, NxDI's cache manager), at slot = position.
 
-* prefill from position 0: :func:`prefill_step` (query chunks, block-sparse through the indexer; ``ops.prefill``);
+* prefill: :func:`prefill_step` (query chunks, block-sparse through the indexer; ``ops.prefill``), from position 0 or,
+  for a later call of a chunked prefill, over the cache the earlier calls wrote plus the call's own tokens;
 * decode, one token per row at position ``p``: :func:`decode_step` attends to the PRIOR caches (slots ``< p``) plus
   the ACTIVE token's K/V, and selects blocks on the prior index keys plus the active index key (the blocks that
   writing first would give; ``ops.select_blocks_prior_active``).
@@ -43,12 +44,14 @@ class Selection:
 
 def prefill_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int,
                  sel: Selection | None = None, iq: torch.Tensor | None = None, ik: torch.Tensor | None = None,
-                 topk_fn=None) -> torch.Tensor:
-    """Causal prefill ``q [B, Hq, S, D]`` over this call's own ``k, v [B, G, S, D]``; block-sparse with ``sel`` and
-    the index queries ``iq [B, G, S, Di]`` / keys ``ik [B, S, Di]``, dense causal without."""
+                 topk_fn=None, start: int = 0) -> torch.Tensor:
+    """Causal prefill ``q [B, Hq, S, D]`` at positions ``start .. start+S-1`` over ``k, v [B, G, >= start+S, D]``
+    (from position 0: this call's own keys; a later call of a chunked prefill: the cache the earlier calls wrote
+    plus this call's keys, written first); block-sparse with ``sel`` and the index queries ``iq [B, G, S, Di]`` /
+    keys ``ik [B, >= start+S, Di]``, dense causal without."""
     if sel is None:
-        return prefill_attention(q, k, v, scale, tile=chunk)
-    return prefill_attention(q, k, v, scale, iq=iq, ik=ik, tile=chunk, topk_fn=topk_fn, **sel.kwargs())
+        return prefill_attention(q, k, v, scale, tile=chunk, start=start)
+    return prefill_attention(q, k, v, scale, iq=iq, ik=ik, tile=chunk, topk_fn=topk_fn, start=start, **sel.kwargs())
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

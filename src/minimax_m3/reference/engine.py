@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .. import storage
+from .. import ops, storage
 from ..config.m3 import M3Config
 from ..engine.loop import Engine, EngineInputError
 from ..engine.spec import EngineSpec
@@ -44,7 +44,11 @@ class ReferenceProvider:
 
     continuous = False
 
-    def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch: int = 8, tile: int = 256):
+    def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch: int = 8, tile: int = 256,
+                 prefill_chunk: int | None = None):
+        """``prefill_chunk``: tokens per prefill call (default ``ops.call_tokens``: 8192 rounded to whole blocks);
+        a longer prompt is prefilled in calls of that many tokens, each attending to the cache the earlier calls
+        wrote plus itself, so its working memory is one call's."""
         self.model = model
         self.config: M3Config = model.config
         self.device = model.lm_head.weight.device
@@ -52,10 +56,14 @@ class ReferenceProvider:
         self.max_context_len = self.max_seq_len
         self.max_batch = max_batch
         self.tile = tile
+        self.prefill_chunk = prefill_chunk or ops.call_tokens(self.config.index_block_size)
         self._cache, self._rows = None, 0
 
     def _forward(self, prompts: list[list[int]], cache_len: int, all_logits: bool):
-        """Prefill a batch aligned at position 0 (right-padded) into a new cache of ``cache_len`` positions."""
+        """Prefill a batch aligned at position 0 (right-padded) into a new cache of ``cache_len`` positions, in
+        calls of at most ``prefill_chunk`` tokens (each row's last logits come from the call holding its last
+        token)."""
+        ops.sharded.check_chunk(self.prefill_chunk, self.config.index_block_size)
         b, s = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(b, s, dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -63,8 +71,18 @@ class ReferenceProvider:
         ids = ids.to(self.device)
         positions = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
         cache = self.model.new_cache(b, cache_len, tile=self.tile)
-        last = None if all_logits else torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        return self.model(ids, positions, cache, s, decode=False, logits_at=last), cache
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        out = []
+        for t0 in range(0, s, self.prefill_chunk):
+            t1 = min(s, t0 + self.prefill_chunk)
+            at = None if all_logits else (last - t0).clamp(0, t1 - t0 - 1)
+            logits = self.model(ids[:, t0:t1], positions[:, t0:t1], cache, t1, decode=False, logits_at=at)
+            if all_logits or not out:
+                out.append(logits)
+            else:  # the rows whose last token is in this call
+                here = ((last >= t0) & (last < t1)).view(b, 1, 1)
+                out[0] = torch.where(here, logits, out[0])
+        return torch.cat(out, dim=1), cache
 
     def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int) -> torch.Tensor:
         if slots != list(range(len(prompts))):

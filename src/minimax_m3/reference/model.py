@@ -27,10 +27,11 @@ from .parallel import ShardPlan
 class FastPaths:
     """Which attention runs. Prefill: ``auto``: FlexAttention where it compiles to a fused kernel (CUDA), else the
     tiled ``ops.prefill_attention``; ``flex``: FlexAttention anywhere (``flex_compile=None`` compiles on CUDA only);
-    ``plain``: always ``ops``. Decode always reads only the selected blocks (``ops.decode_step``); its
-    attention runs through ``F.scaled_dot_product_attention`` (``decode="sdpa"``) or the plain formula
-    (``"plain"``); ``auto``: SDPA on CUDA, the plain formula elsewhere (on CPU its tall-skinny products stream the
-    cold cache faster than SDPA's kernel: 2-4% per decode step at 8K on the development machine)."""
+    ``plain``: always ``ops`` (the later calls of a chunked prefill always run ``ops.prefill_step`` over the cache).
+    Decode always reads only the selected blocks (``ops.decode_step``); its attention runs through
+    ``F.scaled_dot_product_attention`` (``decode="sdpa"``) or the plain formula (``"plain"``); ``auto``: SDPA on
+    CUDA, the plain formula elsewhere (on CPU its tall-skinny products stream the cold cache faster than SDPA's
+    kernel: 2-4% per decode step at 8K on the development machine)."""
 
     prefill: str = "auto"
     flex_compile: bool | None = None
@@ -162,12 +163,18 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, positions, cache: KVCache, layer: int, kv_len: int, decode: bool):
         """The step itself is ``ops.prefill_step`` / ``ops.decode_step`` (shared with the Neuron port and the XLA
-        proofs); decode reads the prior caches plus this token's K/V, then the cache writes the new entries."""
+        proofs); decode reads the prior caches plus this token's K/V, then the cache writes the new entries. A
+        prefill call covers positions ``kv_len - S .. kv_len - 1``: from position 0 its keys are its own tokens; a
+        later call of a chunked prefill writes its entries first and attends to the cache (the earlier calls'
+        tokens plus its own)."""
         c = self.c
         b, s, _ = x.shape
         q, k, *index, v = self._rotary_heads(x, rope)
         sel = ops.Selection.of(c) if self.sparse else None
         iq, ik = (index[0], index[1][:, 0]) if self.sparse else (None, None)
+        later = not decode and kv_len > s  # a later call of a chunked prefill
+        if later:
+            self._write(cache, layer, k, v, ik, positions)
         if decode:  # one token per row at positions[:, 0]
             if self.sparse:  # whole K/V caches (sparse decode pages them by block), index keys in whole blocks
                 n = -(-kv_len // c.index_block_size) * c.index_block_size
@@ -176,15 +183,23 @@ class Attention(nn.Module):
                 kc, vc, ikc = cache.k[layer][:, :, :kv_len], cache.v[layer][:, :, :kv_len], None
             out = ops.decode_step(q, kc, vc, k, v, positions[:, 0], c.softmax_scale, sel, iq, ikc, ik,
                                   sdpa=self.paths.sdpa(q.device))
+        elif later:  # keys: the cache the earlier calls wrote plus this call's tokens (written above)
+            ikc = cache.index_k[layer] if self.sparse else None
+            out = ops.prefill_step(q, cache.k[layer], cache.v[layer], c.softmax_scale, cache.tile, sel, iq, ikc,
+                                   start=kv_len - s)
         elif self.paths.flex(q.device):
             blocks = fast.select_prefill_blocks(iq, ik, tile=cache.tile, **sel.kwargs()) if self.sparse else None
             out = fast.flex_prefill(q, k, v, c.softmax_scale, blocks, c.index_block_size, self.paths.flex_compile)
         else:  # prefill from position 0: keys are this call's own tokens
             out = ops.prefill_step(q, k, v, c.softmax_scale, cache.tile, sel, iq, ik)
+        if not later:
+            self._write(cache, layer, k, v, ik, positions)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nq * c.head_dim))
+
+    def _write(self, cache: KVCache, layer: int, k, v, ik, positions) -> None:
         cache.write_kv(layer, k, v, positions)
         if self.sparse:
             cache.write_index_k(layer, ik, positions)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nq * c.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -223,7 +238,8 @@ class M3Model(nn.Module):
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int, decode: bool,
                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states → float32 logits. ``ids, positions [B, S]``; prefill starts at position 0.
+        """Hidden states → float32 logits. ``ids, positions [B, S]``; a prefill call covers positions
+        ``kv_len - S .. kv_len - 1`` (from 0: a whole prompt, or the first call of a chunked prefill).
 
         ``logits_at [B]`` picks one position per row (saves the lm_head over the whole prompt)."""
         c = self.config
