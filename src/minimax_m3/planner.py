@@ -103,9 +103,10 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[
     n_sparse = sum(c.sparse_layers)
     vocab = -(-c.vocab_size // tp) * tp
     i_rank = c.intermediate_size // moe_tp
-    experts = n_moe * (c.num_experts // ep) * 3 * h * i_rank * (FP8 if weights == "fp8" else BF16)
+    local = sharding.local_experts(c.num_experts, ep)
+    experts = n_moe * local * 3 * h * i_rank * (FP8 if weights == "fp8" else BF16)
     if weights == "fp8":  # scales [E, 1, 2I/moe_tp] (gate/up, sharded with its columns) and [E, 1, H] (down)
-        experts += n_moe * (c.num_experts // ep) * (2 * i_rank + h) * FP32
+        experts += n_moe * local * (2 * i_rank + h) * FP32
     parts = {
         "embedding + lm_head": 2 * vocab // tp * h * BF16,
         "attention": c.num_layers * (2 * q * d * h + 2 * kv * d * h + 2 * d) * BF16,
@@ -162,7 +163,7 @@ def prefill_phases(c: M3Config, tp: int, ep: int, seq: int, ctx_batch: int = 1, 
     (:func:`attention_chunk_bytes`; the chunks of a layer are assumed to run one at a time) and the MoE (fp32
     router logits and scores, NxDI's blockwise buffers: tokens in, gate/up, out)."""
     t = ctx_batch * seq
-    rows = (-(-t * c.top_k // moe_block) + c.num_experts // ep - 1) * moe_block
+    rows = (-(-t * c.top_k // moe_block) + sharding.local_experts(c.num_experts, ep) - 1) * moe_block
     moe_tp = sharding.moe_tp(tp, ep)
     return {
         "attention chunk": sum(attention_chunk_bytes(c, tp, seq, ctx_batch, chunk).values()),
@@ -238,7 +239,7 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
         if name != "routers (fp32)" and not (name == "routed experts" and weights == "fp8"):
             parts[name] = parts[name] * dtype_bytes // BF16
     vocab_rank = -(-c.vocab_size // tp)
-    local = c.num_experts // ep
+    local = sharding.local_experts(c.num_experts, ep)
     parts["embedding + lm_head"] = (vocab_rank + min(batch, vocab_rank)) * c.hidden_size * dtype_bytes
     parts["routed experts"] = parts["routed experts"] * min(local, batch * c.top_k) // local
     kvb = dtype_bytes if kv_dtype == "bf16" else 1

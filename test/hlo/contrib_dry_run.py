@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
     from transformers import PretrainedConfig
 
-    from minimax_m3.config import M3Config
+    from minimax_m3.config import M3Config, sharding
     from minimax_m3.neuron import compile as ours
     from minimax_m3.neuron import trace as dry_run
 
@@ -47,7 +47,8 @@ def main(argv: list[str]) -> int:
     tkg = list(args.token_buckets or [args.seq_len])
     dry_run.check_layout(args.model, args.tp, args.ep, args.lnc, args.batch, args.seq_len, ctx, tkg)
     nc = contrib.MiniMaxM3NeuronConfig(
-        tp_degree=args.tp, moe_ep_degree=args.ep, moe_tp_degree=args.tp // args.ep, logical_nc_config=args.lnc,
+        tp_degree=args.tp, moe_ep_degree=args.ep, moe_tp_degree=sharding.moe_tp(args.tp, args.ep),
+        logical_nc_config=args.lnc,
         batch_size=args.batch, max_batch_size=args.batch, ctx_batch_size=args.batch, tkg_batch_size=args.batch,
         seq_len=args.seq_len, max_context_length=max(ctx), torch_dtype=getattr(torch, args.dtype),
         enable_bucketing=True, context_encoding_buckets=ctx, token_generation_buckets=tkg, padding_side="right",

@@ -26,6 +26,11 @@ def moe_tp(tp: int, ep: int) -> int:
     return tp // ep
 
 
+def local_experts(num_experts: int, ep: int) -> int:
+    """Experts one expert-parallel group holds (contiguous: group ``g`` holds ``[g*n, (g+1)*n)``)."""
+    return num_experts // ep
+
+
 def degree_problems(tp: int, ep: int) -> list[str]:
     """Rules on the degrees alone (no model needed)."""
     if min(tp, ep) < 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint import fp8_experts
+from ..config import sharding
 from ..config.m3 import ConfigError
 from ..engine.spec import EngineSpec, context_buckets
 from . import sampling
@@ -28,7 +29,7 @@ def build_neuron_config(tp_degree: int = 1, batch_size: int = 1, max_seq_len: in
               tkg_batch_size=batch_size, max_batch_size=batch_size, is_continuous_batching=cb,
               seq_len=max_seq_len, max_context_length=ctx,
               torch_dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, padding_side="right",
-              moe_tp_degree=tp_degree // moe_ep_degree, moe_ep_degree=moe_ep_degree, on_cpu=on_cpu,
+              moe_tp_degree=sharding.moe_tp(tp_degree, moe_ep_degree), moe_ep_degree=moe_ep_degree, on_cpu=on_cpu,
               enable_bucketing=True, context_encoding_buckets=list(context_buckets(ctx)),
               token_generation_buckets=[max_seq_len], output_logits=False, prefill_all_logits=prefill_all_logits)
     if on_cpu:  # the stand-in kernels cannot run; NxDI's native paths (and ours) are used

@@ -41,7 +41,8 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
             raise ServingError(problems)
         self.prefill_all_logits = bool(kwargs.pop("prefill_all_logits", False))
         # vllm-neuron passes tp_degree only: the MoE split defaults to all TP ranks over moe_ep_degree groups
-        kwargs.setdefault("moe_tp_degree", kwargs.get("tp_degree", 1) // max(1, kwargs.get("moe_ep_degree", 1)))
+        tp, ep = kwargs.get("tp_degree", 1), kwargs.get("moe_ep_degree") or 1
+        kwargs.setdefault("moe_tp_degree", sharding.moe_tp(tp, ep))
         kwargs.setdefault("glu_mlp", True)
         kwargs.setdefault("glu_type", "swiglu")
         kwargs.setdefault("hidden_act_scaling_factor", 1.702)

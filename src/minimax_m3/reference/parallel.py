@@ -45,7 +45,7 @@ def experts_for_rank(ep_rank: int, num_experts: int, ep: int) -> range:
     """The contiguous expert range of one expert-parallel rank."""
     if num_experts % ep:
         raise ValueError(f"{num_experts} experts do not split into ep={ep} groups")
-    n = num_experts // ep
+    n = sharding.local_experts(num_experts, ep)
     return range(ep_rank * n, (ep_rank + 1) * n)
 
 
@@ -61,7 +61,7 @@ class ShardPlan:
     # ---- derived ---------------------------------------------------------------------------------------------
     @property
     def moe_tp(self) -> int:
-        return self.world // self.ep
+        return sharding.moe_tp(self.world, self.ep)
 
     @property
     def ep_rank(self) -> int:
