@@ -318,8 +318,10 @@ def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--tp", type=int, default=64, help="tensor-parallel degree (ranks; default 64)")
-    ap.add_argument("--ep", type=int, default=64, help="expert-parallel degree for the MoE (default 64)")
+    ap.add_argument("--tp", type=int, default=sharding.TRN2["tp"], help="tensor-parallel degree (ranks; default: "
+                    "trn2.48xlarge's %(default)s)")
+    ap.add_argument("--ep", type=int, default=sharding.TRN2["ep"], help="expert-parallel degree for the MoE (default: "
+                    "%(default)s)")
     ap.add_argument("--batch", type=int, required=True, help="sequences decoded together")
     ap.add_argument("--seq", type=int, required=True, help="maximum tokens per sequence (prompt + output)")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="routed-expert weight format")

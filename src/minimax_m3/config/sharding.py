@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from .m3 import M3Config
 
+# trn2.48xlarge: 64 logical NeuronCores (LNC 2: two physical cores each), experts over all 64 ranks (one expert-TP
+# rank per group); the neuron backend's default layout and the planner's
+TRN2 = {"tp": 64, "ep": 64, "lnc": 2}
+
 
 def heads_per_rank(heads: int, tp: int) -> int:
     """Heads a rank holds: a slice of ``heads / tp``, or one replicated head when there are fewer heads than

@@ -25,7 +25,6 @@ BACKENDS = ("reference", "neuron", "neuron-cpu")
 DTYPES = ("float32", "bfloat16")
 # prefill buckets: powers of two from 128, cut below the context length, which is added (NxDI's generate_buckets)
 DEFAULT_CONTEXT_BUCKETS = tuple(2 ** i for i in range(7, 21))
-TRN2_LAYOUT = {"tp": 64, "lnc": 2}  # trn2.48xlarge: 64 logical NeuronCores of 2 physical cores; ep defaults to tp
 ARTIFACT_FILE = "minimax-m3-spec.json"  # in a compiled directory: the artifact key it was built for
 # the fields that change the compiled NEFFs (and so name the artifact directory)
 ARTIFACT_FIELDS = ("tp", "ep", "lnc", "dtype", "max_batch", "max_seq_len", "max_context_len", "context_buckets",
@@ -110,11 +109,11 @@ class EngineSpec:
             dtype = "bfloat16" if b == "neuron" or (device or "").startswith("cuda") else "float32"
         tp = self.tp
         if tp is None:
-            tp = TRN2_LAYOUT["tp"] if b == "neuron" else _world_size()
+            tp = sharding.TRN2["tp"] if b == "neuron" else _world_size()
         ep = self.ep
         if ep is None:
             ep = tp if b == "neuron" else int(os.environ.get("MINIMAX_M3_EP", "1") or 1) if _world_size() > 1 else 1
-        lnc = self.lnc if self.lnc is not None else (TRN2_LAYOUT["lnc"] if b == "neuron" else 1)
+        lnc = self.lnc if self.lnc is not None else (sharding.TRN2["lnc"] if b == "neuron" else 1)
         batch = self.max_batch if self.max_batch is not None else (1 if neuron else 8)
         ctx = self.max_context_len or (max(self.context_buckets) if self.context_buckets else self.max_seq_len)
         kw = dict(device=device, dtype=dtype, tp=tp, ep=ep, lnc=lnc, max_batch=batch, max_context_len=ctx)

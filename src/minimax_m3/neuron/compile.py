@@ -17,10 +17,9 @@ from ..engine.spec import (
     DEFAULT_CONTEXT_BUCKETS, EngineSpec, SpecError, add_engine_options, context_buckets, spec_from_args, token_buckets,
 )
 
-__all__ = ["DEFAULT_CONTEXT_BUCKETS", "TRN2", "add_args", "check_dry_run", "compile_spec", "context_buckets", "main",
+__all__ = ["DEFAULT_CONTEXT_BUCKETS", "add_args", "check_dry_run", "compile_spec", "context_buckets", "main",
            "run", "token_buckets"]
 
-TRN2 = dict(tp_degree=64, moe_ep_degree=64, logical_nc_config=2)
 SYNTHETIC = dict(tp=2, ep=1, lnc=1)  # --synthetic: the tiny model's smoke-check layout
 
 
