@@ -59,14 +59,19 @@ def model_problems(c: M3Config, tp: int, ep: int, even_vocab: bool = False) -> l
                        ("shared_intermediate_size", c.shared_intermediate_size)):
         if size % tp:
             out.append(f"tp {tp} does not divide {name} {size}")
-    if even_vocab and c.vocab_size % tp:
-        out.append(f"tp {tp} does not divide the vocabulary {c.vocab_size}")
+    if even_vocab:
+        out += vocab_problems(c, tp)
     if c.num_experts % ep:
         out.append(f"ep {ep} does not divide the {c.num_experts} experts")
     if not degree_problems(tp, ep) and c.intermediate_size % moe_tp(tp, ep):
         out.append(f"tp/ep = {moe_tp(tp, ep)} ranks per expert group do not divide intermediate_size "
                    f"{c.intermediate_size}")
     return out
+
+
+def vocab_problems(c: M3Config, tp: int) -> list[str]:
+    """A vocabulary split in equal slices without padding (the reference backend, the graph harness)."""
+    return [f"tp {tp} does not divide the vocabulary {c.vocab_size}"] if c.vocab_size % tp else []
 
 
 def layout_problems(c: M3Config, tp: int, ep: int, even_vocab: bool = False) -> list[str]:

@@ -71,6 +71,36 @@ def token_buckets(seq_len: int, block_size: int) -> list[int]:
     return out + [seq_len]
 
 
+# the bucket rules' names: what, the length it serves, the options (engine; vLLM) that set buckets and length
+_BUCKETS = (("context-encoding", "max_context_len", "--context-buckets (vLLM: context_encoding_buckets)",
+             "--max-context-len (vLLM: --max-model-len)"),
+            ("token-generation", "max_seq_len", "--token-buckets (vLLM: token_generation_buckets)",
+             "--max-seq-len (vLLM: --max-model-len)"))
+
+
+def bucket_problems(context_buckets, token_buckets, max_context_len: int, max_seq_len: int,
+                    config: M3Config | None = None) -> list[str]:
+    """The rules a neuron build's buckets follow, one home (the spec's checks and NxDI's ``validate_config``, which
+    vLLM's configs pass through): each kind of bucket within its length and the largest reaching it (a longer
+    request would fit no bucket), decode buckets whole indexer blocks (``config``'s). ``None``: no buckets given."""
+    out = []
+    for (what, length, option, length_option), buckets, limit in zip(
+            _BUCKETS, (context_buckets, token_buckets), (max_context_len, max_seq_len)):
+        buckets = sorted(buckets or ())
+        if [b for b in buckets if b > limit]:
+            out.append(f"{what} buckets {[b for b in buckets if b > limit]} exceed {length} {limit}: drop them or "
+                       f"raise {length_option}")
+        elif buckets and buckets[-1] < limit:
+            out.append(f"the largest {what} bucket {buckets[-1]} is below {length} {limit}, so a longer request "
+                       f"would fit no bucket: add {limit} to {option} or lower {length_option} to {buckets[-1]}")
+    tkg = sorted(token_buckets or ())
+    if config is not None and any(config.sparse_layers) and [b for b in tkg if b % config.index_block_size]:
+        out.append(f"token-generation buckets {tkg} must be multiples of index_block_size {config.index_block_size} "
+                   "(sparse decode reads the caches by whole blocks): choose such --token-buckets and --max-seq-len "
+                   "(vLLM: token_generation_buckets and --max-model-len)")
+    return out
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything that decides which engine :func:`minimax_m3.load_engine` builds. ``None`` means the backend's
@@ -210,19 +240,8 @@ class EngineSpec:
             hint = ("set NXDI_SRC and NXD_SRC and run through the stand-ins (README, 'NxDI CPU mode')"
                     if self.backend == "neuron-cpu" else "install the Neuron SDK 2.29 (README, 'Install')")
             out.append(f"backend {self.backend} needs NxD Inference importable: {hint}")
-        too_long = [b for b in self.context_buckets or () if b > self.max_context_len]
-        if too_long:
-            out.append(f"context buckets {list(too_long)} exceed max_context_len {self.max_context_len}: drop them "
-                       "or raise --max-context-len")
-        tkg = self.token_buckets or ()
-        if [b for b in tkg if b > self.max_seq_len]:
-            out.append(f"token buckets {[b for b in tkg if b > self.max_seq_len]} exceed max_seq_len "
-                       f"{self.max_seq_len}: drop them or raise --max-seq-len")
-        if config is not None and any(config.sparse_layers) and [b for b in tkg if b % config.index_block_size]:
-            out.append(f"token-generation buckets {list(tkg)} must be multiples of index_block_size "
-                       f"{config.index_block_size} (sparse decode reads the caches by whole blocks): choose such "
-                       "--token-buckets and --max-seq-len")
-        return out
+        return out + bucket_problems(self.context_buckets, self.token_buckets, self.max_context_len,
+                                     self.max_seq_len, config)
 
     def _layout_problems(self, c: M3Config) -> list[str]:
         out = sharding.model_problems(c, self.tp, self.ep, even_vocab=self.backend == "reference")

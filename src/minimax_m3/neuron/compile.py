@@ -70,23 +70,11 @@ def check_backend(args) -> None:
 
 
 def check_dry_run(args):
-    """The layout checks of ``--dry-run``, without importing NxDI: the resolved spec and the model config, or one
-    error listing every problem."""
-    from .trace import check_layout
+    """The checks of ``--dry-run``, without importing NxDI (:func:`minimax_m3.neuron.trace.check`): the resolved
+    spec and the model config, or one error listing every problem."""
+    from .trace import check
 
-    spec = compile_spec(args)
-    config = _config(spec.model)
-    s = spec.resolve(config)
-    problems = []
-    try:
-        check_layout(spec.model, s.tp, s.ep, s.lnc, s.max_batch, s.max_seq_len, list(s.context_buckets),
-                     list(s.token_buckets or [s.max_seq_len]))
-    except ConfigError as exc:
-        problems += exc.problems
-    problems += [p for p in spec.problems(config) if p not in problems]
-    if problems:
-        raise SpecError(problems, source="compile --dry-run")
-    return s, config
+    return check(compile_spec(args))
 
 
 def run(args) -> int:

@@ -17,6 +17,7 @@ from neuronx_distributed_inference.modules.autobucketing import generate_buckets
 
 from ..config import sharding
 from ..config.m3 import M3Config
+from ..engine.spec import bucket_problems
 from ..errors import ServingError
 
 log = logging.getLogger(__name__)
@@ -182,12 +183,10 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
             problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
         tp = nc.tp_degree
         problems += sharding.model_problems(c, tp, nc.moe_ep_degree)
+        # the buckets NxDI will build (its own when none are given; one of each length without bucketing)
         tkg = [b[-1] if isinstance(b, list) else b for b in generate_buckets_for_tkg(self)]
-        if any(c.sparse_layers) and any(b % c.index_block_size for b in tkg):
-            problems.append(f"token-generation buckets {tkg} must be multiples of index_block_size "
-                            f"{c.index_block_size} (sparse decode reads the caches by whole blocks): choose such "
-                            "token_generation_buckets (--token-buckets) and max length (--seq-len)")
-        problems += _bucket_problems(self, tkg)
+        cte = nc.context_encoding_buckets if nc.enable_bucketing else [nc.max_context_length]
+        problems += bucket_problems(cte, tkg, nc.max_context_length, nc.seq_len, c)
         if nc.moe_tp_degree * nc.moe_ep_degree != tp:
             problems.append(f"moe_tp_degree {nc.moe_tp_degree} x moe_ep_degree {nc.moe_ep_degree} must equal "
                             f"tp_degree {tp} (vLLM's --tensor-parallel-size)")
@@ -202,22 +201,3 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
     @classmethod
     def get_neuron_config_cls(cls):
         return MiniMaxM3NeuronConfig
-
-
-def _bucket_problems(cfg: InferenceConfig, tkg: list[int]) -> list[str]:
-    """Buckets that cannot hold the lengths the config promises (vllm-neuron sets ``seq_len`` and
-    ``max_context_length`` from --max-model-len; a longer request would fail only when it arrives)."""
-    nc = cfg.neuron_config
-    if not nc.enable_bucketing:
-        return []
-    problems = []
-    if tkg and max(tkg) < nc.seq_len:
-        problems.append(f"the largest token-generation bucket {max(tkg)} is below seq_len {nc.seq_len} (vLLM's "
-                        f"--max-model-len): lower --max-model-len to {max(tkg)} or add {nc.seq_len} to "
-                        "token_generation_buckets")
-    cte = nc.context_encoding_buckets
-    if cte and max(cte) < nc.max_context_length:
-        problems.append(f"the largest context-encoding bucket {max(cte)} is below max_context_length "
-                        f"{nc.max_context_length} (vLLM's --max-model-len): lower --max-model-len to {max(cte)} or "
-                        f"add {nc.max_context_length} to context_encoding_buckets")
-    return problems
