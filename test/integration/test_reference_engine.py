@@ -86,3 +86,23 @@ def test_no_cuda_requested_on_cpu_machine(tiny_ckpt):
 
     with pytest.raises(ConfigError, match="no CUDA device is available"):  # listed by the spec before loading
         ReferenceEngine.from_pretrained(tiny_ckpt, device="cuda")
+
+
+def test_one_load_parses_config_json_once(tiny_ckpt, monkeypatch):
+    """``load_engine`` parses the model's config once and hands the M3Config down: neither the spec, the reference
+    loader nor the checkpoint reader parse config.json again."""
+    from minimax_m3.config import M3Config
+    from minimax_m3.engine.spec import EngineSpec
+    from minimax_m3.load import load_engine
+
+    parses = []
+    real = M3Config.from_dict.__func__
+
+    def counting(cls, raw, source="config"):
+        parses.append(source)
+        return real(cls, raw, source)
+
+    monkeypatch.setattr(M3Config, "from_dict", classmethod(counting))
+    eng = load_engine(EngineSpec(str(tiny_ckpt), device="cpu", dtype="float32", max_seq_len=128))
+    assert parses == [str(tiny_ckpt / "config.json")], parses
+    assert eng.config == eng.provider.model.config

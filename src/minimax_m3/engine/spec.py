@@ -189,13 +189,8 @@ class EngineSpec:
         return out
 
     def validate(self, config: M3Config | None = None) -> "EngineSpec":
-        """The resolved spec, or one :class:`ConfigError` listing every problem. Without ``config`` a local
-        model's config.json is read (when it exists) for the layout rules."""
-        if config is None and self.model and not str(self.model).startswith("s3://"):
-            try:
-                config = M3Config.from_pretrained(self.model)
-            except (ConfigError, OSError):
-                config = None  # reported by the loader with its own message
+        """The resolved spec, or one :class:`ConfigError` listing every problem. ``config``: the model's, parsed
+        once by the loader (the spec reads no file; without it the rules that need the model are skipped)."""
         problems = self.problems(config)
         if problems:
             raise SpecError(problems, source=f"engine spec (--backend {self.backend})")
@@ -306,7 +301,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-# the keyword names of build_neuron_config / the older load_engine(model, backend, **kw) -> EngineSpec fields
+# the older keyword names (NxDI-style) of load_engine(model, backend, **kw) -> EngineSpec fields
 _KWARG_FIELDS = {"max_batch_size": "max_batch", "batch_size": "max_batch", "tp_degree": "tp", "moe_ep_degree": "ep",
                  "logical_nc_config": "lnc", "max_context_length": "max_context_len",
                  "context_encoding_buckets": "context_buckets", "token_generation_buckets": "token_buckets",

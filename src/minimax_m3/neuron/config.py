@@ -94,12 +94,11 @@ def m3_dict(c: M3Config) -> dict:
     return c.fields_dict()
 
 
-def load_m3_config(path: str | Path):
-    """An NxDI ``load_config`` hook reading ``config.json`` (either form) through :class:`M3Config`.
+def config_hook(c: M3Config, path: str | Path):
+    """An NxDI ``load_config`` hook handing NxDI the model's parsed config ``c`` (of the checkpoint at ``path``).
 
     transformers 4.57 (NxDI's pin) does not know ``minimax_m3_vl``, so NxDI's ``load_pretrained_config``
     cannot be used."""
-    c = M3Config.from_pretrained(path)
     root = Path(path)
 
     def hook(cfg: InferenceConfig) -> None:
@@ -107,6 +106,12 @@ def load_m3_config(path: str | Path):
         cfg._name_or_path = str(root if root.is_dir() else root.parent)
 
     return hook
+
+
+def load_m3_config(path: str | Path):
+    """:func:`config_hook` of ``config.json`` at ``path`` (either form), read here: for callers that hand NxDI a
+    path (vllm-neuron's loader through the plugin, tests); the engine passes the config it parsed."""
+    return config_hook(M3Config.from_pretrained(path), path)
 
 
 class MiniMaxM3InferenceConfig(InferenceConfig):

@@ -105,27 +105,27 @@ class ReferenceEngine(Engine):
     def from_pretrained(cls, path: str | Path, device: str | None = None, dtype: str | torch.dtype | None = None,
                         max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
                         plan: ShardPlan | None = None) -> "ReferenceEngine":
-        """Keyword form of :func:`load_reference`. ``plan``: this rank's tensor/expert-parallel slice (every rank
-        of the process group must then make the same calls with the same inputs)."""
+        """Keyword form of :func:`load_reference` (``path``: a checkpoint directory or ``s3://``, downloaded once).
+        ``plan``: this rank's tensor/expert-parallel slice (every rank of the process group must then make the same
+        calls with the same inputs)."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
+        path = storage.resolve(str(path))
         spec = EngineSpec(model=str(path), backend="reference", device=device, dtype=dtype, max_seq_len=max_seq_len,
                           max_batch=max_batch_size, tile=tile)
-        return load_reference(spec, plan=plan)
+        return load_reference(spec, M3Config.from_pretrained(path), plan=plan)
 
 
-def load_reference(spec: EngineSpec, plan: ShardPlan | None = None) -> ReferenceEngine:
-    """The reference engine of ``spec``. Under ``torchrun`` (``WORLD_SIZE > 1``) without a ``plan`` the process
-    group is joined here with ``spec.ep`` (whose default is ``$MINIMAX_M3_EP``) and device None/"cuda" becomes
-    this rank's GPU."""
-    path = storage.resolve(spec.model, spec.cache_dir)  # s3:// models: downloaded once (a local path as is)
-    spec = dataclasses.replace(spec, model=str(path))
-    config = M3Config.from_pretrained(path)
+def load_reference(spec: EngineSpec, config: M3Config, plan: ShardPlan | None = None) -> ReferenceEngine:
+    """The reference engine of ``spec`` (a local checkpoint) over the model's parsed ``config`` (config.json is not
+    read again), the spec validated against it first. Under ``torchrun`` (``WORLD_SIZE > 1``) without a ``plan``
+    the process group is joined here with ``spec.ep`` (whose default is ``$MINIMAX_M3_EP``) and device None/"cuda"
+    becomes this rank's GPU."""
     resolved = spec.validate(config)
     if plan is None and resolved.tp > 1:
         plan, rank_device = init_distributed(ep=resolved.ep)
         device = rank_device if spec.device in (None, "cuda") else spec.device
         resolved = dataclasses.replace(resolved, device=device)
-    model = load_model(path, device=resolved.device, dtype=resolve_dtype(resolved.dtype, resolved.device),
-                       config=config, plan=plan)
+    model = load_model(resolved.model, device=resolved.device, config=config, plan=plan,
+                       dtype=resolve_dtype(resolved.dtype, resolved.device))
     return ReferenceEngine(model, resolved.max_seq_len, resolved.max_batch, resolved.tile, spec=resolved)
