@@ -40,18 +40,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
 
 
 class ReferenceProvider:
-    """Prefill and decode steps of an :class:`M3Model` (one group of sequences at a time)."""
+    """Prefill and decode steps of an :class:`M3Model` (one group of sequences at a time) with the lengths, batch and
+    tile of a validated ``spec``: each group's cache holds ``spec.max_seq_len`` positions, as the neuron backend's."""
 
     continuous = False
 
-    def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch: int = 8, tile: int = 256):
+    def __init__(self, model: M3Model, spec: EngineSpec):
         self.model = model
         self.config: M3Config = model.config
         self.device = model.lm_head.weight.device
-        self.max_seq_len = min(max_seq_len, self.config.max_position_embeddings)
-        self.max_context_len = self.max_seq_len
-        self.max_batch = max_batch
-        self.tile = tile
+        self.max_seq_len, self.max_context_len = spec.max_seq_len, spec.max_context_len
+        self.max_batch, self.tile = spec.max_batch, spec.tile
         self._cache, self._rows = None, 0
 
     def _forward(self, prompts: list[list[int]], cache_len: int, all_logits: bool):
@@ -69,7 +68,7 @@ class ReferenceProvider:
     def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int) -> torch.Tensor:
         if slots != list(range(len(prompts))):
             raise EngineInputError(f"the reference backend prefills a whole group into slots 0..n-1, got {slots}")
-        logits, self._cache = self._forward(prompts, max_len, all_logits=False)
+        logits, self._cache = self._forward(prompts, self.max_seq_len, all_logits=False)  # the loop checked the fit
         self._rows = len(prompts)
         self._sync()
         return logits[:, 0]
@@ -98,7 +97,16 @@ class ReferenceEngine(Engine):
 
     def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
                  spec: EngineSpec | None = None):
-        super().__init__(ReferenceProvider(model, max_seq_len, max_batch_size, tile), spec)
+        """``spec``: the validated spec the model was loaded for (:func:`load_reference`); without it (a model built
+        by hand) the spec of the other arguments, validated against the model's config."""
+        if spec is None:
+            w = model.lm_head.weight
+            dtype = str(w.dtype).removeprefix("torch.")  # float64: models built by hand for exact comparisons
+            spec = EngineSpec(model="", backend="reference", device=str(w.device), max_seq_len=max_seq_len,
+                              dtype=dtype if dtype in DTYPES else None, max_batch=max_batch_size,
+                              tile=tile).validate(model.config)
+            spec = dataclasses.replace(spec, dtype=dtype)
+        super().__init__(ReferenceProvider(model, spec), spec)
         self.model, self.device, self.dtype = model, self.provider.device, model.lm_head.weight.dtype
 
     @classmethod
@@ -128,4 +136,4 @@ def load_reference(spec: EngineSpec, config: M3Config, plan: ShardPlan | None = 
         resolved = dataclasses.replace(resolved, device=device)
     model = load_model(resolved.model, device=resolved.device, config=config, plan=plan,
                        dtype=resolve_dtype(resolved.dtype, resolved.device))
-    return ReferenceEngine(model, resolved.max_seq_len, resolved.max_batch, resolved.tile, spec=resolved)
+    return ReferenceEngine(model, spec=resolved)
