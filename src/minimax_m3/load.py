@@ -23,7 +23,8 @@ def load_engine(spec: EngineSpec | str, backend: str | None = None, **kw) -> Eng
     if not isinstance(spec, EngineSpec):
         spec = spec_from_kwargs(spec, backend or "reference", **kw)
     elif backend is not None or kw:
-        raise TypeError("load_engine(spec) takes no other arguments; put them in the EngineSpec")
+        raise SpecError([f"load_engine(spec) takes no other arguments, got {sorted(kw) or [backend]}; put them in "
+                         "the EngineSpec"])
     if spec.backend not in BACKENDS:
         raise SpecError(spec.problems())  # names the unknown backend with every other problem
     if spec.backend != "reference":

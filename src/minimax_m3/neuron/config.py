@@ -195,8 +195,8 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         if nc.moe_tp_degree * nc.moe_ep_degree != tp:
             problems.append(f"moe_tp_degree {nc.moe_tp_degree} x moe_ep_degree {nc.moe_ep_degree} must equal "
                             f"tp_degree {tp} (vLLM's --tensor-parallel-size)")
-        if problems:
-            raise ValueError("MiniMax-M3 NxDI config: " + "; ".join(problems))
+        if problems:  # NxDI asks for no exception type; ServingError keeps ValueError for vllm-neuron's loader,
+            raise ServingError(problems)  # which catches (FileNotFoundError, ValueError) around a precompiled load
 
     def get_required_attributes(self):
         return ["m3", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
