@@ -33,10 +33,11 @@ class M3Error(Exception):
 
 
 class ServingError(M3Error, ValueError):
-    """A serving configuration the Neuron port cannot serve, each problem naming the vLLM flag to change: raised
-    where vllm-neuron builds the neuron config (``neuron.config``) and where vLLM builds its own
-    (``neuron.vllm_plugin.VllmConfigChecks``). Here, not in ``neuron.config``, because the vLLM hook runs without
-    NxDI imported."""
+    """A configuration the Neuron port cannot serve, each problem naming the option (engine and vLLM) to change:
+    raised where vllm-neuron builds the neuron config and where NxDI validates the inference config
+    (``neuron.config``; also the engine's own build, whose spec has refused such values before), and where vLLM
+    builds its own (``neuron.vllm.plugin.VllmConfigChecks``). Here, not in ``neuron.config``, because the vLLM hook
+    runs without NxDI imported."""
 
     def __init__(self, problems: str | Sequence[str]):
         super().__init__(problems, heading="MiniMax-M3 cannot be served with this configuration:")

@@ -39,16 +39,17 @@ def ckpt(tmp_path_factory):
     return str(write_synthetic(tmp_path_factory.mktemp("tkg") / "tiny", M3Config.preset("tiny"), seed=0))
 
 
-def _recording_engine(ckpt, **kw):
+def _recording_engine(ckpt, **fields):
     from test.support.neuron import standins
 
     standins.bootstrap()
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.provider import NeuronEngine
-    from minimax_m3.neuron.build import build_neuron_config
+    from minimax_m3.neuron.build import inference_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
+    from minimax_m3.neuron.provider import NeuronEngine
+    from test.neuron_cpu.plugin import nxdi_spec
 
-    config = MiniMaxM3InferenceConfig(build_neuron_config(dtype="float32", **kw), load_config=load_m3_config(ckpt))
+    spec, m3 = nxdi_spec(ckpt, "neuron", tp=1, ep=1, lnc=1, **fields)  # the device layout, never run
+    config = inference_config(spec, m3, save_sharded_checkpoint=False, attn_kernel_enabled=False)
     app = NeuronMiniMaxM3ForCausalLM(ckpt, config)
     calls = []
 
@@ -76,8 +77,8 @@ def test_each_decode_step_runs_the_smallest_bucket_that_holds_its_context(ckpt):
 
     buckets = token_buckets(512, M3Config.preset("tiny").index_block_size)
     assert buckets == [128, 256, 512]
-    eng, app, calls = _recording_engine(ckpt, batch_size=1, max_seq_len=512, max_context_length=256,
-                                        token_generation_buckets=buckets)
+    eng, app, calls = _recording_engine(ckpt, max_batch=1, max_seq_len=512, max_context_len=256,
+                                        token_buckets=tuple(buckets))
     assert app.token_generation_model.neuron_config.buckets == buckets
     prompt = random_ids(120, seed=3)
     steps = 150  # positions 120 .. 268: crosses 128 and 256
@@ -95,8 +96,8 @@ def test_each_decode_step_runs_the_smallest_bucket_that_holds_its_context(ckpt):
 
 
 def test_a_batch_decodes_in_the_bucket_of_its_longest_row(ckpt):
-    eng, app, _ = _recording_engine(ckpt, batch_size=2, max_seq_len=512, max_context_length=256,
-                                    token_generation_buckets=[128, 256, 512])
+    eng, app, _ = _recording_engine(ckpt, max_batch=2, max_seq_len=512, max_context_len=256,
+                                    token_buckets=(128, 256, 512))
     tokens = torch.tensor([[5], [6]])
     for rows, want in (([10, 127], 128), ([127, 128], 256), ([300, 3], 512), ([0, 255], 256)):
         inputs = dict(input_ids=tokens, position_ids=torch.tensor(rows).view(2, 1), seq_ids=torch.arange(2))
@@ -107,15 +108,15 @@ def test_token_buckets_off_the_indexer_block_are_refused_at_config_time(ckpt):
     from test.support.neuron import standins
 
     standins.bootstrap()
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.build import build_neuron_config
+    from minimax_m3.neuron.build import inference_config
+    from test.neuron_cpu.plugin import nxdi_spec
 
     block = M3Config.preset("tiny").index_block_size
+    spec, m3 = nxdi_spec(ckpt, "neuron", tp=1, ep=1, lnc=1, max_batch=1, max_seq_len=512, max_context_len=256,
+                         token_buckets=(120, 512))  # resolved, not validated: NxDI's own check is under test
     with pytest.raises(ValueError, match=f"token-generation buckets \\[120, 512\\] must be multiples of "
                                          f"index_block_size {block}"):
-        MiniMaxM3InferenceConfig(build_neuron_config(dtype="float32", batch_size=1, max_seq_len=512,
-                                                     max_context_length=256, token_generation_buckets=[120, 512]),
-                                 load_config=load_m3_config(ckpt))
+        inference_config(spec, m3, save_sharded_checkpoint=False)
 
 
 def test_compile_names_off_block_token_buckets_in_one_message(tmp_path, tiny_ckpt):

@@ -121,7 +121,7 @@ def test_bad_layouts_fail_before_tracing_with_every_problem(bad, tmp_path, tiny_
     assert "Traceback" not in p.stderr
     assert not out.exists()
     expected = {"model": ["config.json not found"],
-                "bucket": ["context buckets [512]", "token-generation buckets [1024]"],
+                "bucket": ["max_context_len 512 exceeds max_seq_len 256", "token-generation buckets [1024] exceed"],
                 "split": ["ep 2 must divide tp 3", "KV heads", "tp 3 does not divide the vocabulary 512"]}[bad]
     for text in expected:
         assert text in p.stderr, (text, p.stderr)

@@ -86,3 +86,72 @@ def test_no_cuda_requested_on_cpu_machine(tiny_ckpt):
 
     with pytest.raises(ConfigError, match="no CUDA device is available"):  # listed by the spec before loading
         ReferenceEngine.from_pretrained(tiny_ckpt, device="cuda")
+
+
+def test_the_cache_is_max_seq_len_long_and_longer_requests_are_refused(tiny_ckpt):
+    """A reference engine loaded with ``max_seq_len=N`` keeps N positions per sequence (as the neuron backend's
+    cache; tiny's indexer block is 16, so 96 is whole blocks) and refuses prompt + generation > N with the engine's
+    error before any work."""
+    from minimax_m3.engine.spec import EngineSpec
+    from minimax_m3.load import load_engine
+
+    n = 96
+    eng = load_engine(EngineSpec(str(tiny_ckpt), device="cpu", dtype="float32", max_seq_len=n, max_batch=2))
+    assert eng.max_seq_len == n and eng.spec.max_seq_len == n
+    eng.generate([random_ids(20, seed=1), random_ids(9, seed=2)], GenerationConfig(max_new_tokens=4))
+    cache = eng.provider._cache
+    assert cache.max_len == n and {tuple(k.shape[1:3]) for k in cache.k} == {(eng.config.num_kv_heads, n)}
+    assert {tuple(ik.shape[:2]) for ik in cache.index_k.values()} == {(2, n)}
+    fits = eng.generate([random_ids(90, seed=3)], GenerationConfig(max_new_tokens=6))[0]  # exactly N positions
+    assert len(fits.tokens) == 6
+    with pytest.raises(EngineInputError, match=f"90 tokens; with 7 new tokens that exceeds max_seq_len={n}"):
+        eng.generate([random_ids(90, seed=3)], GenerationConfig(max_new_tokens=7))
+
+
+@pytest.mark.parametrize("backend", ["reference", "neuron", "neuron-cpu"])
+def test_max_seq_len_beyond_the_model_is_refused_by_the_spec_alike(tiny_ckpt, backend):
+    """No silent clamp: one problem, the same words for every backend, from the spec before anything loads."""
+    from minimax_m3.config import M3Config
+    from minimax_m3.engine.spec import EngineSpec, SpecError
+
+    c = M3Config.from_pretrained(tiny_ckpt)
+    too_long = c.max_position_embeddings + c.index_block_size
+    want = f"max_seq_len {too_long} exceeds the model's max_position_embeddings {c.max_position_embeddings}"
+    with pytest.raises(SpecError) as exc:
+        EngineSpec(str(tiny_ckpt), backend=backend, max_seq_len=too_long, tp=1, ep=1, lnc=1).validate(c)
+    assert [p for p in exc.value.problems if "max_position_embeddings" in p] == [want]
+
+
+def test_no_clamp_on_a_model_loaded_by_hand_or_through_load_engine(tiny_ckpt):
+    from minimax_m3.config import M3Config
+    from minimax_m3.engine.spec import EngineSpec, SpecError
+    from minimax_m3.load import load_engine
+    from minimax_m3.reference.loader import load_model
+
+    c = M3Config.from_pretrained(tiny_ckpt)
+    too_long = c.max_position_embeddings + c.index_block_size
+    want = f"max_seq_len {too_long} exceeds the model's max_position_embeddings {c.max_position_embeddings}"
+    with pytest.raises(SpecError, match=want):
+        load_engine(EngineSpec(str(tiny_ckpt), device="cpu", max_seq_len=too_long))
+    with pytest.raises(SpecError, match=want):
+        ReferenceEngine(load_model(tiny_ckpt, "cpu"), max_seq_len=too_long)
+
+
+def test_one_load_parses_config_json_once(tiny_ckpt, monkeypatch):
+    """``load_engine`` parses the model's config once and hands the M3Config down: neither the spec, the reference
+    loader nor the checkpoint reader parse config.json again."""
+    from minimax_m3.config import M3Config
+    from minimax_m3.engine.spec import EngineSpec
+    from minimax_m3.load import load_engine
+
+    parses = []
+    real = M3Config.from_dict.__func__
+
+    def counting(cls, raw, source="config"):
+        parses.append(source)
+        return real(cls, raw, source)
+
+    monkeypatch.setattr(M3Config, "from_dict", classmethod(counting))
+    eng = load_engine(EngineSpec(str(tiny_ckpt), device="cpu", dtype="float32", max_seq_len=128))
+    assert parses == [str(tiny_ckpt / "config.json")], parses
+    assert eng.config == eng.provider.model.config

@@ -22,13 +22,15 @@ def ckpt(tmp_path_factory):
     return str(write_synthetic(tmp_path_factory.mktemp("buckets") / "tiny", M3Config.preset("tiny"), seed=0))
 
 
-def _engine_calls(ckpt, **kw):
+def _engine_calls(ckpt, **fields):
     """A NeuronEngine over an unloaded NxDI application whose forward only records its keyword arguments."""
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
+    from minimax_m3.neuron.build import application, inference_config
     from minimax_m3.neuron.provider import NeuronEngine
-    from minimax_m3.neuron.build import application, build_neuron_config
 
-    config = MiniMaxM3InferenceConfig(build_neuron_config(dtype="float32", **kw), load_config=load_m3_config(ckpt))
+    from .plugin import nxdi_spec
+
+    spec, m3 = nxdi_spec(ckpt, "neuron", tp=1, ep=1, lnc=1, **fields)  # the device layout, never run
+    config = inference_config(spec, m3, save_sharded_checkpoint=False, attn_kernel_enabled=False)
     app = application(ckpt, config)
     calls = []
 
@@ -37,7 +39,7 @@ def _engine_calls(ckpt, **kw):
         return SimpleNamespace(logits=torch.zeros(inputs["input_ids"].shape[0], 1, config.vocab_size))
 
     app.forward = forward
-    return NeuronEngine(app, config.m3_config()), app, calls
+    return NeuronEngine(app, m3, spec), app, calls
 
 
 def _bucket(app, inputs) -> int:
@@ -47,7 +49,7 @@ def _bucket(app, inputs) -> int:
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_100_token_prompt_runs_the_smallest_bucket_of_a_build_up_to_8k(ckpt, batch):
-    eng, app, calls = _engine_calls(ckpt, batch_size=batch, max_seq_len=8192)
+    eng, app, calls = _engine_calls(ckpt, max_batch=batch, max_seq_len=8192)
     assert app.context_encoding_model.neuron_config.buckets == [128, 256, 512, 1024, 2048, 4096, 8192]
     eng.generate([random_ids(100, seed=1)], GenerationConfig(max_new_tokens=1))
     assert len(calls) == 1 and calls[0]["input_ids"].shape == (1, 100)
@@ -55,7 +57,7 @@ def test_a_100_token_prompt_runs_the_smallest_bucket_of_a_build_up_to_8k(ckpt, b
 
 
 def test_static_batch_pads_to_the_bucket_of_its_longest_prompt(ckpt):
-    eng, app, calls = _engine_calls(ckpt, batch_size=3, max_seq_len=8192, continuous_batching=False)
+    eng, app, calls = _engine_calls(ckpt, max_batch=3, max_seq_len=8192, continuous_batching=False)
     eng.generate([random_ids(100, seed=1), random_ids(300, seed=2)], GenerationConfig(max_new_tokens=1))
     assert len(calls) == 1 and calls[0]["input_ids"].shape == (3, 300)
     assert _bucket(app, calls[0]) == 512
@@ -64,7 +66,7 @@ def test_static_batch_pads_to_the_bucket_of_its_longest_prompt(ckpt):
 def test_buckets_are_overridable_and_the_context_length_is_the_last(ckpt):
     _, app, _ = _engine_calls(ckpt, max_seq_len=3008)
     assert app.context_encoding_model.neuron_config.buckets == [128, 256, 512, 1024, 2048, 3008]
-    _, app, _ = _engine_calls(ckpt, max_seq_len=3008, context_encoding_buckets=[1000, 3008])
+    _, app, _ = _engine_calls(ckpt, max_seq_len=3008, context_buckets=(1000, 3008))
     assert app.context_encoding_model.neuron_config.buckets == [1000, 3008]
 
 

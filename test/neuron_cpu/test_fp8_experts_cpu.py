@@ -52,8 +52,9 @@ def _fp8_app(ckpt):
         _model_cls = Converted
 
     spec = EngineSpec(str(ckpt), backend="neuron-cpu", dtype="float32", max_seq_len=128, max_context_len=64,
-                      max_batch=1, all_logits=True, weights="fp8").validate()
-    config = inference_config(spec)
+                      max_batch=1, all_logits=True, weights="fp8")
+    m3 = M3Config.from_pretrained(ckpt)
+    config = inference_config(spec.validate(m3), m3)
     nc = config.neuron_config
     assert nc.quantized and nc.quantization_type == "expert_wise_per_channel_symmetric"
     app = Fp8Experts(spec.model, config)

@@ -22,18 +22,17 @@ GLOBAL_TOPK = 512  # the tiny vocabulary: every token is a candidate, so the dra
 
 
 def _app(ckpt, batch: int, all_logits: bool = False):
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
     from minimax_m3.neuron.nxd_compat import to_cpu as _to_cpu
-    from minimax_m3.neuron.build import application, build_neuron_config
+    from minimax_m3.neuron.build import application, inference_config
     from minimax_m3.neuron.sampling import on_device_sampling_config
 
-    from test.support.neuron.cpu_plugin import world_size
+    from test.support.neuron.cpu_plugin import nxdi_spec
 
-    nc = build_neuron_config(tp_degree=world_size(), batch_size=batch, max_seq_len=96, max_context_length=80,
-                             dtype="float32", on_cpu=True, continuous_batching=False, prefill_all_logits=all_logits,
-                             on_device_sampling_config=on_device_sampling_config(global_topk=GLOBAL_TOPK),
-                             output_logits=True)
-    app = application(str(ckpt), MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(str(ckpt))))
+    spec, m3 = nxdi_spec(ckpt, max_batch=batch, max_seq_len=96, max_context_len=80, continuous_batching=False,
+                         all_logits=all_logits)
+    config = inference_config(spec, m3, output_logits=True,
+                              on_device_sampling_config=on_device_sampling_config(global_topk=GLOBAL_TOPK))
+    app = application(str(ckpt), config)
     _to_cpu(app)
     return app
 

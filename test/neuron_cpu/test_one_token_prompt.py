@@ -21,18 +21,16 @@ SLOTS = 2
 def engines(tmp_path_factory):
     """The NxDI application itself (the object vllm-neuron drives), in CPU mode, and the reference engine."""
     from minimax_m3.checkpoint.synthetic import write_synthetic
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
     from minimax_m3.neuron.nxd_compat import to_cpu as _to_cpu
-    from minimax_m3.neuron.build import build_neuron_config
+    from minimax_m3.neuron.build import inference_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
     from minimax_m3.reference.engine import ReferenceEngine
 
-    from test.support.neuron.cpu_plugin import world_size
+    from test.support.neuron.cpu_plugin import nxdi_spec
 
     ck = str(write_synthetic(tmp_path_factory.mktemp("one") / "tiny", M3Config.preset("tiny"), seed=0))
-    nc = build_neuron_config(tp_degree=world_size(), batch_size=SLOTS, max_seq_len=64, max_context_length=32,
-                             dtype="float32", on_cpu=True, context_encoding_buckets=[16, 32])
-    app = NeuronMiniMaxM3ForCausalLM(ck, MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(ck)))
+    spec, m3 = nxdi_spec(ck, max_batch=SLOTS, max_seq_len=64, max_context_len=32, context_buckets=(16, 32))
+    app = NeuronMiniMaxM3ForCausalLM(ck, inference_config(spec, m3))
     _to_cpu(app)
     return app, ReferenceEngine.from_pretrained(ck, device="cpu", dtype="float32", max_seq_len=64)
 

@@ -125,10 +125,12 @@ def _main(ck: str) -> None:  # runs inside the NxDI interpreter
     # NxDI reloads neuron_config.json by calling the constructor again: same config; raw config.json works
     import tempfile
 
+    from minimax_m3.engine.spec import EngineSpec
+    from minimax_m3.neuron.build import neuron_config
     from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.build import build_neuron_config
 
-    c1 = MiniMaxM3InferenceConfig(build_neuron_config(tp_degree=1), load_config=load_m3_config(ck))
+    spec = EngineSpec(ck, backend="neuron", tp=1, ep=1, lnc=1, max_seq_len=256).resolve(c)
+    c1 = MiniMaxM3InferenceConfig(neuron_config(spec), load_config=load_m3_config(ck))
     d = Path(tempfile.mkdtemp())
     c1.save(d)
     c2 = MiniMaxM3InferenceConfig.load(d)
@@ -136,7 +138,7 @@ def _main(ck: str) -> None:  # runs inside the NxDI interpreter
     out["config_reload_idempotent"] = (json.loads((d / "neuron_config.json").read_text())
                                        == json.loads((d / "again" / "neuron_config.json").read_text()))
     raw = json.loads((Path(ck) / "config.json").read_text())
-    out["config_from_raw"] = MiniMaxM3InferenceConfig(build_neuron_config(tp_degree=1), **raw).m3_config() == c
+    out["config_from_raw"] = MiniMaxM3InferenceConfig(neuron_config(spec), **raw).m3_config() == c
     del ops
     print("RESULT " + json.dumps(out))
 

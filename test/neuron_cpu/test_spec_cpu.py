@@ -38,7 +38,7 @@ def test_compile_and_generate_options_give_the_same_nxdi_config(ckpt, neuron_cpu
     comp = _spec(["compile", "--backend", "neuron-cpu", "--model", ckpt, *OPTS, *tp]).validate(config)
     gen = _spec(["generate", "--backend", "neuron-cpu", "--model", ckpt, "--prompt-ids", "1", *OPTS, *tp])
     gen = gen.validate(config)
-    ca, cb = inference_config(comp), inference_config(gen)
+    ca, cb = inference_config(comp, config), inference_config(gen, config)
     assert ca.to_json_string() == cb.to_json_string()  # NxDI's own serialisation, neuron_config included
     a = ca.neuron_config
     assert (a.tp_degree, a.batch_size, a.seq_len, a.max_context_length, a.is_continuous_batching) == \
@@ -76,8 +76,12 @@ def test_generate_on_neuron_finds_what_compile_wrote(ckpt, monkeypatch, tmp_path
     layout = ["--tp", "2", "--ep", "1", "--lnc", "1", *OPTS]
     with pytest.raises(_Stop):
         main(["compile", "--backend", "neuron", "--model", ckpt, *layout])
+    parses, real = [], M3Config.from_dict.__func__
+    monkeypatch.setattr(M3Config, "from_dict", classmethod(lambda cls, raw, source="config": (
+        parses.append(source), real(cls, raw, source))[1]))
     with pytest.raises(_Stop):
         main(["generate", "--backend", "neuron", "--model", ckpt, "--prompt-ids", "1,2", *layout])
+    assert len(parses) == 1, parses  # config.json parsed once per load (load_engine), handed down as M3Config
     where = log[0][1]
     assert log == [("compile", where), ("load", where), ("load", where)]
     assert Path(where).parent == Path(ckpt) and Path(where).name.startswith("neuron-tp2-ep1-lnc1-fp32-b2-s160-")

@@ -30,15 +30,13 @@ def ckpt(tmp_path_factory):
 
 
 def _app(ckpt, cls=None):
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.build import build_neuron_config
+    from minimax_m3.neuron.build import inference_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
 
-    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
+    from test.support.neuron.cpu_plugin import nxdi_spec
 
-    kw = neuron_cpu_engine_kwargs(batch_size=1, max_seq_len=32, max_context_length=24)
-    nc = build_neuron_config(on_cpu=True, **kw)
-    config = MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(str(ckpt)))
+    spec, m3 = nxdi_spec(ckpt, max_batch=1, max_seq_len=32, max_context_len=24)
+    config = inference_config(spec, m3)
     return (cls or NeuronMiniMaxM3ForCausalLM)(str(ckpt), config)
 
 

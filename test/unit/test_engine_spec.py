@@ -140,3 +140,26 @@ def test_on_device_sampling_is_a_neuron_option():
     assert not any("on_device_sampling" in p for p in problems), problems
     assert any(p.startswith("on_device_sampling applies to the neuron backend only")
                for p in EngineSpec("m", on_device_sampling=True).problems(M3))
+
+
+def test_bucket_rules_one_home_for_the_spec_and_nxdi():
+    """``bucket_problems`` (also what NxDI's validate_config calls on vLLM's configs): every bucket within its length,
+    the largest reaching it, decode buckets whole indexer blocks (tiny: 16)."""
+    from minimax_m3.engine.spec import bucket_problems
+
+    assert bucket_problems((128, 256), (128, 512), 256, 512, TINY) == []
+    assert bucket_problems(None, None, 256, 512, TINY) == []  # NxDI's own buckets
+    short = bucket_problems((128,), (64, 256), 256, 512, TINY)
+    assert [p.split(",")[0] for p in short] == [
+        "the largest context-encoding bucket 128 is below max_context_len 256",
+        "the largest token-generation bucket 256 is below max_seq_len 512"]
+    assert "--max-model-len" in short[0] and "add 512 to --token-buckets" in short[1]
+    long = bucket_problems((128, 512), (520,), 256, 512, TINY)
+    assert [p.split(":")[0] for p in long] == [
+        "context-encoding buckets [512] exceed max_context_len 256",
+        "token-generation buckets [520] exceed max_seq_len 512",
+        "token-generation buckets [520] must be multiples of index_block_size 16 (sparse decode reads the caches by "
+        "whole blocks)"]
+    spec = EngineSpec("m", backend="neuron", max_seq_len=512, max_context_len=256, context_buckets=(128,),
+                      token_buckets=(64, 256))
+    assert [p for p in spec.problems(TINY) if "bucket" in p] == short

@@ -87,6 +87,9 @@ def test_every_package_error_derives_from_m3error():
     ("minimax_m3.config", "ConfigError"), ("minimax_m3.checkpoint.reader", "CheckpointError"),
     ("minimax_m3.storage", "StorageError"), ("minimax_m3.storage", "IntegrityError"),
     ("minimax_m3.neuron", "NeuronUnavailableError"), ("minimax_m3.checkpoint.convert", "ConversionError"),
+    ("minimax_m3.errors", "ServingError"), ("minimax_m3.reference.parallel", "ShardPlanError"),
+    ("minimax_m3.eval.runner", "LongBenchRunError"), ("minimax_m3.eval.protocol", "LongBenchTaskError"),
+    ("minimax_m3.eval.metrics", "ScoringError"),
 ])
 def test_errors_keep_their_builtin_base_for_old_callers(module, name):
     cls = getattr(importlib.import_module(module), name)
@@ -94,6 +97,28 @@ def test_errors_keep_their_builtin_base_for_old_callers(module, name):
     assert issubclass(cls, (ValueError, RuntimeError, ImportError))
     e = cls("one problem") if name not in ("ConfigError", "CheckpointError") else cls(["one problem"])
     assert e.problems == ["one problem"]
+
+
+# modules whose refusals reach users (the CLI, lm-eval, vLLM's config hook): a package error with its problems there,
+# never a bare builtin (catch-and-rewrap blocks are not needed where the errors below are typed)
+USER_FACING = ("load.py", "engine/spec.py", "eval/commands.py", "eval/runner.py", "eval/protocol.py", "eval/metrics.py",
+               "eval/lm_eval_adapter.py", "reference/engine.py", "reference/parallel.py", "neuron/build.py",
+               "neuron/config.py", "neuron/provider.py", "neuron/compile.py", "neuron/trace.py",
+               "neuron/vllm/artifact.py")
+BUILTINS = {"ValueError", "RuntimeError", "TypeError", "KeyError", "NotImplementedError", "Exception"}
+
+
+def _raised(node: ast.Raise) -> str | None:
+    exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+    return exc.id if isinstance(exc, ast.Name) else None
+
+
+@pytest.mark.parametrize("rel", USER_FACING)
+def test_user_facing_refusals_are_package_errors(rel):
+    tree = ast.parse((SRC / rel).read_text())
+    bare = [f"{rel}:{n.lineno}: raise {_raised(n)}" for n in ast.walk(tree)
+            if isinstance(n, ast.Raise) and n.exc is not None and _raised(n) in BUILTINS]
+    assert not bare, "raise an M3Error subclass (keeping the builtin as a second base) instead:\n" + "\n".join(bare)
 
 
 def _main_guard(node: ast.stmt) -> bool:

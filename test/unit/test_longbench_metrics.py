@@ -68,7 +68,7 @@ def test_classification_keeps_official_removal_quirk():
     # matches = [Loc, Lo, Location]. i=0: "Loc" is a proper substring of gt -> removed, "Lo" slides into slot
     # 0 and is skipped; i=1: "Location" == gt, kept. Left: [Lo, Location] -> 1/2. (A clean filter gives 1.0.)
     assert M.classification_score("Location", "Location", all_classes=["Loc", "Lo", "Location"]) == 0.5
-    with pytest.raises(ValueError, match="all_classes"):
+    with pytest.raises(M.ScoringError, match="all_classes"):
         M.classification_score("x", "y")
 
 
@@ -95,5 +95,5 @@ def test_sample_score_first_line_rule_and_max_over_answers():
     # max over answers: "London, UK" gives 2/3 (P = 1, R = 1/2), "London" gives 1.0
     assert M.sample_score("qa_f1", "triviaqa", "london", ["London, UK", "London"]) == 1.0
     assert M.sample_score("qa_f1", "triviaqa", "london", []) == 0.0
-    with pytest.raises(ValueError, match="unknown metric 'bleu'"):
+    with pytest.raises(M.ScoringError, match="unknown metric 'bleu'"):
         M.sample_score("bleu", "x", "a", ["a"])

@@ -33,9 +33,9 @@ def test_one_token_budget_as_pred_py():
     assert P.middle_truncate_v2(ids, 1) == [9]
     assert P.middle_truncate_v1(ids, 3) == ([0], [9])  # half = int(3/2) = 1
     for bad in (0, -4):
-        with pytest.raises(ValueError, match="at least 1 token.*--max-input-tokens"):
+        with pytest.raises(P.LongBenchTaskError, match="at least 1 token.*--max-input-tokens"):
             P.middle_truncate_v1(ids, bad)
-        with pytest.raises(ValueError, match="at least 1 token"):
+        with pytest.raises(P.LongBenchTaskError, match="at least 1 token"):
             P.middle_truncate_v2(ids, bad)
 
 
@@ -69,7 +69,7 @@ def test_prepare_v1_shrinks_budget_to_fit_engine(tok):
     # budget 8 -> 8 text ids + 4 template ids = 12 > room 6: budget shrinks by 6 to 2 -> "0" + "9" -> 6 ids
     p = P.prepare_v1(tok, "0123456789", "hotpotqa", max_input_tokens=8, max_total=6)
     assert tok.decode(p.ids) == "<s><|user|>09<|end|><|assistant|>"
-    with pytest.raises(ValueError, match="lower --max-input-tokens"):
+    with pytest.raises(P.LongBenchTaskError, match="lower --max-input-tokens"):
         P.prepare_v1(tok, "0123456789", "hotpotqa", max_input_tokens=8, max_total=3)
 
 
@@ -84,7 +84,7 @@ def test_chat_wrap_requires_template(tok):
     class NoTemplate:
         chat_template = None
 
-    with pytest.raises(ValueError, match="no chat_template"):
+    with pytest.raises(P.LongBenchTaskError, match="no chat_template"):
         P.chat_wrap(NoTemplate(), "x")
     assert P.chat_wrap(tok, "问") == "<s><|user|>问<|end|><|assistant|>"
 
@@ -93,7 +93,7 @@ def test_fill_v1_prompt():
     rec = {"context": "C", "input": "Q", "answers": ["a"], "_id": "x"}
     assert P.fill_v1_prompt("Read: {context}\n\nQuestion: {input}\nAnswer:", rec,
                             "hotpotqa") == "Read: C\n\nQuestion: Q\nAnswer:"
-    with pytest.raises(ValueError, match="needs field 'question'"):
+    with pytest.raises(P.LongBenchTaskError, match="needs field 'question'"):
         P.fill_v1_prompt("{question}", rec, "hotpotqa")
 
 

@@ -11,6 +11,7 @@ from minimax_m3.checkpoint.toy_tokenizer import write_toy_tokenizer
 from minimax_m3.engine import GenerationResult
 from minimax_m3.eval.data import LongBenchDataError
 from minimax_m3.eval.protocol import LongBenchTaskError
+from minimax_m3.eval.runner import LongBenchRunError
 from minimax_m3.eval.runner import run_longbench
 
 # Handmade prompt table (our own wording) in the layout of a LongBench checkout.
@@ -155,7 +156,7 @@ def test_truncation_limit_and_settings_guard(env):
     # ...but the head survives: 20 + 20 text ids + 4 chat-template ids
     assert rec["truncated"] and rec["prompt_tokens"] == 44 and rec["raw_prompt_tokens"] > 600
     assert report["tasks"]["hotpotqa"]["score"] == 100.0
-    with pytest.raises(ValueError, match="other settings.*max_input_tokens: was 40, now 50"):
+    with pytest.raises(LongBenchRunError, match="other settings.*max_input_tokens: was 40, now 50"):
         run(env, FakeEngine(env.tok), tasks="hotpotqa", max_input_tokens=50)
 
 
@@ -197,7 +198,7 @@ def test_v2_run(env):
     assert env.tok.decode(prompts[0]) == "<s><|user|>Text: ctx\nQ: KEY-v0?\n(A) a (B) b (C) c (D) d<|end|><|assistant|>"
     assert gen.max_new_tokens == 128 and gen.temperature == 0.1
     # a resume may not switch the option: the stored answers depend on it
-    with pytest.raises(ValueError, match="strip_thinking: was False, now True"):
+    with pytest.raises(LongBenchRunError, match="strip_thinking: was False, now True"):
         run(env, FakeEngine(env.tok), tasks="v2", strip_thinking=True)
     # --strip-thinking (opt-in): v1's answer is taken after the thinking block -> C, wrong: hard 0/1, overall 1/2
     env.out = env.lb / "out_think"
@@ -207,5 +208,5 @@ def test_v2_run(env):
 
 
 def test_bad_input_budget(env):
-    with pytest.raises(ValueError, match="max_input_tokens must be >= 1, got 0"):
+    with pytest.raises(LongBenchRunError, match="max_input_tokens must be >= 1, got 0"):
         run(env, FakeEngine(env.tok), tasks="hotpotqa", max_input_tokens=0)

@@ -5,16 +5,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minimax_m3.neuron.sharded import RankFile, unit_of, units
+from minimax_m3.checkpoint.mapping import unit_of
+from minimax_m3.neuron.sharded import RankFile, units
 
 
 def test_units_group_the_stream_by_layer():
     names = ["embed_tokens.weight", "norm.weight", "layers.0.a", "layers.0.b", "layers.1.a", "layers.10.a",
              "layers.10.b", "lm_head.weight"]
     got = [(u, list(p)) for u, p in units((n, torch.zeros(1)) for n in names)]
-    assert got == [("global", names[:2]), ("layers.0", names[2:4]), ("layers.1", names[4:5]),
-                   ("layers.10", names[5:7]), ("global", names[7:])]
-    assert unit_of("layers.x.weight") == "global" and unit_of("layers.3") == "global"
+    assert got == [(None, names[:2]), (0, names[2:4]), (1, names[4:5]), (10, names[5:7]), (None, names[7:])]
+    assert unit_of("layers.x.weight") is None and unit_of("layers.3") is None
+
+
+def test_one_unit_rule_for_release_and_converted_keys():
+    assert unit_of("language_model.model.layers.12.self_attn.q_proj.weight") == unit_of("layers.12.attn.q") == 12
+    assert unit_of("language_model.model.embed_tokens.weight") is None and unit_of("lm_head.weight") is None
+    assert unit_of("vision_tower.encoder.layers.3.mlp.fc1.weight") is None  # vision: not a decoder layer
+    assert unit_of("mtp.layers.0.norm.weight") is None
 
 
 def test_rank_file_round_trips_through_safetensors(tmp_path):

@@ -140,11 +140,12 @@ REFERENCE = RuleTable("reference", GLOBAL_RULES, LAYER_RULES)
 # the dequantized twin of the release: every tensor under its own name (vision and MTP included)
 BF16 = RuleTable("bf16", (), (), skips=(), passthrough=True)
 
-_LAYER_KEY = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
+_LAYER_KEY = re.compile(r"^(?:language_model\.model\.)?layers\.(\d+)\.")
 
 
 def unit_of(key: str) -> int | None:
-    """The conversion unit a release key belongs to: its decoder layer, or ``None`` (global/vision/MTP)."""
+    """The conversion unit a key belongs to: its decoder layer, or ``None`` (global tensors, vision, MTP). Release
+    keys (``language_model.model.layers.{L}.*``) and converted keys (``layers.{L}.*``) alike."""
     m = _LAYER_KEY.match(key)
     return int(m.group(1)) if m else None
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from .m3 import M3Config
 
+# trn2.48xlarge: 64 logical NeuronCores (LNC 2: two physical cores each), experts over all 64 ranks (one expert-TP
+# rank per group); the neuron backend's default layout and the planner's
+TRN2 = {"tp": 64, "ep": 64, "lnc": 2}
+
 
 def heads_per_rank(heads: int, tp: int) -> int:
     """Heads a rank holds: a slice of ``heads / tp``, or one replicated head when there are fewer heads than
@@ -24,6 +28,11 @@ def heads_per_rank(heads: int, tp: int) -> int:
 def moe_tp(tp: int, ep: int) -> int:
     """Ranks of one expert-parallel group (they split each expert's intermediate width)."""
     return tp // ep
+
+
+def local_experts(num_experts: int, ep: int) -> int:
+    """Experts one expert-parallel group holds (contiguous: group ``g`` holds ``[g*n, (g+1)*n)``)."""
+    return num_experts // ep
 
 
 def degree_problems(tp: int, ep: int) -> list[str]:
@@ -50,14 +59,19 @@ def model_problems(c: M3Config, tp: int, ep: int, even_vocab: bool = False) -> l
                        ("shared_intermediate_size", c.shared_intermediate_size)):
         if size % tp:
             out.append(f"tp {tp} does not divide {name} {size}")
-    if even_vocab and c.vocab_size % tp:
-        out.append(f"tp {tp} does not divide the vocabulary {c.vocab_size}")
+    if even_vocab:
+        out += vocab_problems(c, tp)
     if c.num_experts % ep:
         out.append(f"ep {ep} does not divide the {c.num_experts} experts")
     if not degree_problems(tp, ep) and c.intermediate_size % moe_tp(tp, ep):
         out.append(f"tp/ep = {moe_tp(tp, ep)} ranks per expert group do not divide intermediate_size "
                    f"{c.intermediate_size}")
     return out
+
+
+def vocab_problems(c: M3Config, tp: int) -> list[str]:
+    """A vocabulary split in equal slices without padding (the reference backend, the graph harness)."""
+    return [f"tp {tp} does not divide the vocabulary {c.vocab_size}"] if c.vocab_size % tp else []
 
 
 def layout_problems(c: M3Config, tp: int, ep: int, even_vocab: bool = False) -> list[str]:

@@ -25,7 +25,6 @@ BACKENDS = ("reference", "neuron", "neuron-cpu")
 DTYPES = ("float32", "bfloat16")
 # prefill buckets: powers of two from 128, cut below the context length, which is added (NxDI's generate_buckets)
 DEFAULT_CONTEXT_BUCKETS = tuple(2 ** i for i in range(7, 21))
-TRN2_LAYOUT = {"tp": 64, "lnc": 2}  # trn2.48xlarge: 64 logical NeuronCores of 2 physical cores; ep defaults to tp
 ARTIFACT_FILE = "minimax-m3-spec.json"  # in a compiled directory: the artifact key it was built for
 # the fields that change the compiled NEFFs (and so name the artifact directory)
 ARTIFACT_FIELDS = ("tp", "ep", "lnc", "dtype", "max_batch", "max_seq_len", "max_context_len", "context_buckets",
@@ -72,6 +71,36 @@ def token_buckets(seq_len: int, block_size: int) -> list[int]:
     return out + [seq_len]
 
 
+# the bucket rules' names: what, the length it serves, the options (engine; vLLM) that set buckets and length
+_BUCKETS = (("context-encoding", "max_context_len", "--context-buckets (vLLM: context_encoding_buckets)",
+             "--max-context-len (vLLM: --max-model-len)"),
+            ("token-generation", "max_seq_len", "--token-buckets (vLLM: token_generation_buckets)",
+             "--max-seq-len (vLLM: --max-model-len)"))
+
+
+def bucket_problems(context_buckets, token_buckets, max_context_len: int, max_seq_len: int,
+                    config: M3Config | None = None) -> list[str]:
+    """The rules a neuron build's buckets follow, one home (the spec's checks and NxDI's ``validate_config``, which
+    vLLM's configs pass through): each kind of bucket within its length and the largest reaching it (a longer
+    request would fit no bucket), decode buckets whole indexer blocks (``config``'s). ``None``: no buckets given."""
+    out = []
+    for (what, length, option, length_option), buckets, limit in zip(
+            _BUCKETS, (context_buckets, token_buckets), (max_context_len, max_seq_len)):
+        buckets = sorted(buckets or ())
+        if [b for b in buckets if b > limit]:
+            out.append(f"{what} buckets {[b for b in buckets if b > limit]} exceed {length} {limit}: drop them or "
+                       f"raise {length_option}")
+        elif buckets and buckets[-1] < limit:
+            out.append(f"the largest {what} bucket {buckets[-1]} is below {length} {limit}, so a longer request "
+                       f"would fit no bucket: add {limit} to {option} or lower {length_option} to {buckets[-1]}")
+    tkg = sorted(token_buckets or ())
+    if config is not None and any(config.sparse_layers) and [b for b in tkg if b % config.index_block_size]:
+        out.append(f"token-generation buckets {tkg} must be multiples of index_block_size {config.index_block_size} "
+                   "(sparse decode reads the caches by whole blocks): choose such --token-buckets and --max-seq-len "
+                   "(vLLM: token_generation_buckets and --max-model-len)")
+    return out
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything that decides which engine :func:`minimax_m3.load_engine` builds. ``None`` means the backend's
@@ -110,11 +139,11 @@ class EngineSpec:
             dtype = "bfloat16" if b == "neuron" or (device or "").startswith("cuda") else "float32"
         tp = self.tp
         if tp is None:
-            tp = TRN2_LAYOUT["tp"] if b == "neuron" else _world_size()
+            tp = sharding.TRN2["tp"] if b == "neuron" else _world_size()
         ep = self.ep
         if ep is None:
             ep = tp if b == "neuron" else int(os.environ.get("MINIMAX_M3_EP", "1") or 1) if _world_size() > 1 else 1
-        lnc = self.lnc if self.lnc is not None else (TRN2_LAYOUT["lnc"] if b == "neuron" else 1)
+        lnc = self.lnc if self.lnc is not None else (sharding.TRN2["lnc"] if b == "neuron" else 1)
         batch = self.max_batch if self.max_batch is not None else (1 if neuron else 8)
         ctx = self.max_context_len or (max(self.context_buckets) if self.context_buckets else self.max_seq_len)
         kw = dict(device=device, dtype=dtype, tp=tp, ep=ep, lnc=lnc, max_batch=batch, max_context_len=ctx)
@@ -160,13 +189,8 @@ class EngineSpec:
         return out
 
     def validate(self, config: M3Config | None = None) -> "EngineSpec":
-        """The resolved spec, or one :class:`ConfigError` listing every problem. Without ``config`` a local
-        model's config.json is read (when it exists) for the layout rules."""
-        if config is None and self.model and not str(self.model).startswith("s3://"):
-            try:
-                config = M3Config.from_pretrained(self.model)
-            except (ConfigError, OSError):
-                config = None  # reported by the loader with its own message
+        """The resolved spec, or one :class:`ConfigError` listing every problem. ``config``: the model's, parsed
+        once by the loader (the spec reads no file; without it the rules that need the model are skipped)."""
         problems = self.problems(config)
         if problems:
             raise SpecError(problems, source=f"engine spec (--backend {self.backend})")
@@ -211,19 +235,8 @@ class EngineSpec:
             hint = ("set NXDI_SRC and NXD_SRC and run through the stand-ins (README, 'NxDI CPU mode')"
                     if self.backend == "neuron-cpu" else "install the Neuron SDK 2.29 (README, 'Install')")
             out.append(f"backend {self.backend} needs NxD Inference importable: {hint}")
-        too_long = [b for b in self.context_buckets or () if b > self.max_context_len]
-        if too_long:
-            out.append(f"context buckets {list(too_long)} exceed max_context_len {self.max_context_len}: drop them "
-                       "or raise --max-context-len")
-        tkg = self.token_buckets or ()
-        if [b for b in tkg if b > self.max_seq_len]:
-            out.append(f"token buckets {[b for b in tkg if b > self.max_seq_len]} exceed max_seq_len "
-                       f"{self.max_seq_len}: drop them or raise --max-seq-len")
-        if config is not None and any(config.sparse_layers) and [b for b in tkg if b % config.index_block_size]:
-            out.append(f"token-generation buckets {list(tkg)} must be multiples of index_block_size "
-                       f"{config.index_block_size} (sparse decode reads the caches by whole blocks): choose such "
-                       "--token-buckets and --max-seq-len")
-        return out
+        return out + bucket_problems(self.context_buckets, self.token_buckets, self.max_context_len,
+                                     self.max_seq_len, config)
 
     def _layout_problems(self, c: M3Config) -> list[str]:
         out = sharding.model_problems(c, self.tp, self.ep, even_vocab=self.backend == "reference")
@@ -288,7 +301,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-# the keyword names of build_neuron_config / the older load_engine(model, backend, **kw) -> EngineSpec fields
+# the older keyword names (NxDI-style) of load_engine(model, backend, **kw) -> EngineSpec fields
 _KWARG_FIELDS = {"max_batch_size": "max_batch", "batch_size": "max_batch", "tp_degree": "tp", "moe_ep_degree": "ep",
                  "logical_nc_config": "lnc", "max_context_length": "max_context_len",
                  "context_encoding_buckets": "context_buckets", "token_generation_buckets": "token_buckets",

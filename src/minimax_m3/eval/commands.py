@@ -9,10 +9,7 @@ from pathlib import Path
 from ..load import load_engine
 from ..errors import M3Error
 from ..engine.spec import add_engine_options, spec_from_args
-
-
-class LongBenchRunError(M3Error, ValueError):
-    """A LongBench run that cannot start or go on (settings, unreadable files); the CLI prints it, exit 2."""
+from .runner import LongBenchRunError
 
 
 def register(subparsers) -> None:
@@ -53,28 +50,35 @@ def _add_source_options(p) -> None:
 
 
 def cmd_longbench(args) -> None:
-    from transformers import AutoTokenizer
-
     from .runner import run_longbench
 
     data = Path(args.data)
     longbench_dir = Path(args.longbench_dir) if args.longbench_dir else data.resolve().parent
     try:
         engine = server_engine(args) if args.server else load_engine(spec_from_args(args))
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
         report = run_longbench(
-            engine, tokenizer, data, longbench_dir, args.tasks, args.out, limit=args.limit, batch_size=args.batch_size,
+            engine, tokenizer(args), data, longbench_dir, args.tasks, args.out, limit=args.limit,
+            batch_size=args.batch_size,
             max_input_tokens=args.max_input_tokens, progress=not args.no_progress,
             meta=run_meta(args), strip_thinking=args.strip_thinking,
         )  # fmt: skip
-    except M3Error:
-        raise
-    except (ValueError, OSError) as exc:  # run settings, unreadable files: one package error (the CLI exits 2)
+    except OSError as exc:  # an unreadable or unwritable file or folder: one package error (the CLI exits 2)
         raise LongBenchRunError(str(exc)) from None
     from .report import render_markdown
 
     print(render_markdown(report))
     print(f"report: {Path(args.out) / 'report.json'} and report.md")
+
+
+def tokenizer(args):
+    """The tokenizer of ``--tokenizer`` (default ``--model``); transformers' refusal as one package error."""
+    from transformers import AutoTokenizer
+
+    path = args.tokenizer or args.model
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:  # transformers' own errors: no typed error below to pass on
+        raise LongBenchRunError(f"tokenizer {path}: {exc}") from None
 
 
 def run_meta(args) -> dict:

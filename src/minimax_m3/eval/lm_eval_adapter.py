@@ -17,6 +17,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from ..engine.loop import GenerationConfig
+from ..errors import M3Error
 from .protocol import middle_truncate_v1
 
 
@@ -37,6 +38,14 @@ def middle_truncate(ids: list[int], budget: int) -> list[int]:
     return list(ids) if cut is None else cut[0] + cut[1]
 
 
+class LmEvalError(M3Error, ValueError):
+    """``model_args`` or request settings the adapter cannot run (no checkpoint, no room for the generation)."""
+
+
+class LmEvalRequestError(M3Error, NotImplementedError):
+    """A request type the adapter does not serve (lm-eval's own signal for it is ``NotImplementedError``)."""
+
+
 @register_model("minimax-m3")
 class MiniMaxM3LM(LM):
     """``engine``/``tokenizer`` objects may be passed directly (tests, notebooks); otherwise ``pretrained``
@@ -48,7 +57,7 @@ class MiniMaxM3LM(LM):
         super().__init__()
         if engine is None:
             if pretrained is None:
-                raise ValueError("minimax-m3 needs model_args pretrained=<checkpoint dir> (or an engine object)")
+                raise LmEvalError("minimax-m3 needs model_args pretrained=<checkpoint dir> (or an engine object)")
             given = (("max_seq_len", max_seq_len), ("dtype", dtype), ("device", device))
             kw = {k: v for k, v in given if v is not None}
             if kw.get("max_seq_len") is not None:
@@ -108,7 +117,8 @@ class MiniMaxM3LM(LM):
             gen, until = self._gen_config(dict(kw))
             budget = self.max_length - gen.max_new_tokens
             if budget < 2:
-                raise ValueError(f"max_length {self.max_length} leaves no room for max_gen_toks {gen.max_new_tokens}")
+                raise LmEvalError(f"max_length {self.max_length} leaves no room for max_gen_toks "
+                                  f"{gen.max_new_tokens}")
             ids = list(self.tokenizer.encode(context, add_special_tokens=not self._chat_applied))
             groups.setdefault((gen, tuple(until)), []).append((i, middle_truncate(ids, budget), context, kw))
         for (gen, until), items in groups.items():
@@ -122,13 +132,13 @@ class MiniMaxM3LM(LM):
         return out  # type: ignore[return-value]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError(
+        raise LmEvalRequestError(
             "minimax-m3 serves generate_until only; lm-eval's longbench2_* tasks are loglikelihood-based and not "
             "the official protocol - run LongBench v2 with `minimax-m3 longbench --tasks v2`"
         )
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError("minimax-m3 serves generate_until only (no perplexity tasks)")
+        raise LmEvalRequestError("minimax-m3 serves generate_until only (no perplexity tasks)")
 
 
 def main() -> None:

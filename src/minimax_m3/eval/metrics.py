@@ -15,6 +15,13 @@ import string
 from collections import Counter
 from typing import Callable, Sequence
 
+from ..errors import M3Error
+
+
+class ScoringError(M3Error, ValueError):
+    """A prediction the official scorer cannot score as asked: a classification task without its label set, a
+    retrieval answer not in the task's form, an unknown metric."""
+
 _EN_PUNCT = frozenset(string.punctuation)
 # ASCII punctuation plus the CJK/full-width set the official normaliser removes.
 _ZH_PUNCT = _EN_PUNCT | frozenset(
@@ -84,7 +91,7 @@ def classification_score(prediction: str, ground_truth: str, all_classes: Sequen
     remove-while-iterating loop, which skips the element right after each removal; that quirk is kept.
     """
     if all_classes is None:
-        raise ValueError("classification_score needs all_classes (the task's label set)")
+        raise ScoringError("classification_score needs all_classes (the task's label set)")
     matches = [c for c in all_classes if c in prediction]
     i = 0
     while i < len(matches):
@@ -111,7 +118,7 @@ def retrieval_zh_score(prediction: str, ground_truth: str, **_) -> float:
 def _paragraph_id(pattern: str, ground_truth: str) -> str:
     found = re.findall(pattern, ground_truth)
     if not found:
-        raise ValueError(f"retrieval answer {ground_truth!r} does not match {pattern!r}")
+        raise ScoringError(f"retrieval answer {ground_truth!r} does not match {pattern!r}")
     return found[0]
 
 
@@ -160,7 +167,7 @@ def first_line(prediction: str) -> str:
 def sample_score(metric: str, task: str, prediction: str, answers: Sequence[str], all_classes=None) -> float:
     """Score one prediction: the first-line rule for the few-shot tasks, then the max over the answers."""
     if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; known: {', '.join(METRICS)}")
+        raise ScoringError(f"unknown metric {metric!r}; known: {', '.join(METRICS)}")
     if task in FIRST_LINE_TASKS:
         prediction = first_line(prediction)
     fn = METRICS[metric]

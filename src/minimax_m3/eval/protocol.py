@@ -53,7 +53,8 @@ V2_TEMPERATURE = 0.1
 
 
 class LongBenchTaskError(M3Error, ValueError):
-    """An unknown task name or task list."""
+    """A task the protocol cannot run as asked: an unknown task name or list, a prompt template and record that do
+    not match, a tokenizer without a chat template, an input budget or prompt that does not fit the engine."""
 
 
 def known_tasks() -> list[str]:
@@ -91,7 +92,7 @@ def uses_chat_template(task: str) -> bool:
 
 def _check_budget(max_len: int) -> None:
     if max_len < 1:
-        raise ValueError(f"the input budget must be at least 1 token, got {max_len}; raise --max-input-tokens")
+        raise LongBenchTaskError(f"the input budget must be at least 1 token, got {max_len}; raise --max-input-tokens")
 
 
 def middle_truncate_v1(ids: Sequence[int], max_len: int) -> tuple[list[int], list[int]] | None:
@@ -121,13 +122,14 @@ def fill_v1_prompt(template: str, record: dict, task: str) -> str:
     try:
         return template.format(**record)
     except KeyError as e:
-        raise ValueError(f"the {task} prompt template needs field {e.args[0]!r}, which the record lacks") from e
+        raise LongBenchTaskError(f"the {task} prompt template needs field {e.args[0]!r}, which the record lacks") \
+            from None
 
 
 def chat_wrap(tokenizer, text: str) -> str:
     """One user turn, no system prompt, generation prompt appended, through the tokenizer's own template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise LongBenchTaskError(
             "the tokenizer has no chat_template; LongBench applies the model's chat format to 15 of 21 tasks. "
             "Use the model's own tokenizer (tokenizer_config.json with a chat_template)."
         )
@@ -173,7 +175,7 @@ def prepare_v1(tokenizer, prompt: str, task: str, max_input_tokens: int,
         budget -= len(final) - max_total
         if budget < 2:
             break
-    raise ValueError(
+    raise LongBenchTaskError(
         f"{task}: the prompt does not fit the engine ({len(final)} ids > {max_total} left after max_gen); "
         "lower --max-input-tokens or load the engine with a larger max_seq_len"
     )
@@ -204,7 +206,7 @@ def prepare_v2(tokenizer, prompt: str, max_input_tokens: int, max_total: int | N
         budget -= len(final) - max_total
         if budget < 2:
             break
-    raise ValueError(
+    raise LongBenchTaskError(
         f"v2: the prompt does not fit the engine ({len(final)} ids > {max_total}); lower --max-input-tokens"
     )
 

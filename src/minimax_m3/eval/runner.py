@@ -16,6 +16,7 @@ from typing import Sequence
 
 from .._atomic import write_atomic
 from ..engine.loop import GenerationConfig
+from ..errors import M3Error
 from . import data as lbdata
 from .data import LongBenchDataError
 from .protocol import (
@@ -25,6 +26,11 @@ from .protocol import (
 from .report import build_report, write_report
 
 DEFAULT_HEADROOM = 16  # ids kept free for decode/re-encode drift when the input budget is derived
+
+
+class LongBenchRunError(M3Error, ValueError):
+    """A LongBench run that cannot start or go on (settings, an output folder of another run, unreadable files);
+    the CLI prints it, exit 2."""
 
 
 class PredictionStore:
@@ -75,12 +81,15 @@ def _eos_ids(engine, tokenizer, extra: Sequence[int] | None) -> tuple[int, ...]:
 def _check_run_config(out_dir: Path, settings: dict) -> None:
     path = out_dir / "run_config.json"
     if path.exists():
-        old = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise LongBenchRunError(f"{path}: not valid JSON ({exc}); remove it or use a new --out") from None
         diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if diff:
             detail = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"{out_dir} holds a run with other settings ({detail}); resume with the same settings "
-                             "or use a new --out")
+            raise LongBenchRunError(f"{out_dir} holds a run with other settings ({detail}); resume with the same "
+                                    "settings or use a new --out")
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(settings, indent=2))
@@ -127,12 +136,11 @@ def run_longbench(
     (not in the official protocol, hence off by default; for reasoning models).
     """
     task_list = resolve_tasks(tasks)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
-    if max_input_tokens is not None and max_input_tokens < 1:
-        raise ValueError(f"max_input_tokens must be >= 1, got {max_input_tokens}")
+    problems = [f"{name} must be >= 1, got {value} (--{name.replace('_', '-')})" for name, value in (
+        ("batch_size", batch_size), ("limit", limit), ("max_input_tokens", max_input_tokens))
+        if value is not None and value < 1]
+    if problems:
+        raise LongBenchRunError(problems)
     out = Path(out_dir)
     v1 = [t for t in task_list if t != V2_TASK]
     prompts, maxlens = lbdata.load_v1_config(longbench_dir) if v1 else ({}, {})
@@ -148,7 +156,7 @@ def run_longbench(
         overhead = len(tokenizer.encode(chat_wrap(tokenizer, ""), add_special_tokens=False))
         max_input_tokens = engine.max_seq_len - max(gens.values()) - overhead - DEFAULT_HEADROOM
         if max_input_tokens < 2:
-            raise ValueError(
+            raise LongBenchRunError(
                 f"engine.max_seq_len {engine.max_seq_len} leaves no input budget after max_gen {max(gens.values())}; "
                 "load the engine with a larger max_seq_len"
             )
@@ -238,4 +246,4 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, disable=not enabled, unit="sample", desc="longbench", dynamic_ncols=True)
 
 
-__all__ = ["run_longbench", "PredictionStore", "LongBenchDataError"]
+__all__ = ["run_longbench", "PredictionStore", "LongBenchDataError", "LongBenchRunError"]

@@ -15,7 +15,8 @@ _EXPORTS = {
     "NeuronMiniMaxM3Attention": "attention", "M3Router": "moe", "M3ExpertMLPs": "nxd_compat",
     "initialize_m3_moe_module": "moe", "M3KVCacheManager": "kv_cache", "NeuronMiniMaxM3Model": "model",
     "NeuronMiniMaxM3ForCausalLM": "model", "NeuronMiniMaxM3DecoderLayer": "model",
-    "NeuronEngine": "provider", "build_neuron_config": "build",
+    "NeuronEngine": "provider", "neuron_config": "build", "inference_config": "build", "application": "build",
+    "config_hook": "config",
 }
 
 
@@ -25,13 +26,19 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def load_neuron_engine(spec):
-    """The :class:`minimax_m3.engine.Engine` of an :class:`minimax_m3.engine.spec.EngineSpec` over NxDI: compiled NEFFs
-    (``neuron``, at ``spec.artifact_dir()``) or NxDI's CPU mode (``neuron-cpu``, ``to_cpu()``)."""
+def require_sdk() -> None:
+    """Nothing when the port's NxDI modules import; else the one :class:`NeuronUnavailableError` saying what to
+    install (``load_engine`` asks before reading the model)."""
+    _import("provider")
+
+
+def load_neuron_engine(spec, config):
+    """The :class:`minimax_m3.engine.Engine` of an :class:`minimax_m3.engine.spec.EngineSpec` over NxDI, for the
+    model's parsed :class:`~minimax_m3.config.M3Config` ``config``: compiled NEFFs (``neuron``, at
+    ``spec.artifact_dir()``) or NxDI's CPU mode (``neuron-cpu``, ``to_cpu()``)."""
     engine = _import("provider")  # without the SDK: one NeuronUnavailableError saying what to install
-    from ..config.m3 import M3Config
-
-    return engine.load(spec.validate(M3Config.from_pretrained(spec.model)))
+    return engine.load(spec, config)
 
 
-__all__ = ["INSTALL_HINT", "NeuronUnavailableError", "load_neuron_engine", "sdk_available", *_EXPORTS]
+__all__ = ["INSTALL_HINT", "NeuronUnavailableError", "load_neuron_engine", "require_sdk", "sdk_available",
+           *_EXPORTS]

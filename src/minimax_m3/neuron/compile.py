@@ -17,10 +17,9 @@ from ..engine.spec import (
     DEFAULT_CONTEXT_BUCKETS, EngineSpec, SpecError, add_engine_options, context_buckets, spec_from_args, token_buckets,
 )
 
-__all__ = ["DEFAULT_CONTEXT_BUCKETS", "TRN2", "add_args", "check_dry_run", "compile_spec", "context_buckets", "main",
+__all__ = ["DEFAULT_CONTEXT_BUCKETS", "add_args", "check_dry_run", "compile_spec", "context_buckets", "main",
            "run", "token_buckets"]
 
-TRN2 = dict(tp_degree=64, moe_ep_degree=64, logical_nc_config=2)
 SYNTHETIC = dict(tp=2, ep=1, lnc=1)  # --synthetic: the tiny model's smoke-check layout
 
 
@@ -71,23 +70,11 @@ def check_backend(args) -> None:
 
 
 def check_dry_run(args):
-    """The layout checks of ``--dry-run``, without importing NxDI: the resolved spec and the model config, or one
-    error listing every problem."""
-    from .trace import check_layout
+    """The checks of ``--dry-run``, without importing NxDI (:func:`minimax_m3.neuron.trace.check`): the resolved
+    spec and the model config, or one error listing every problem."""
+    from .trace import check
 
-    spec = compile_spec(args)
-    config = _config(spec.model)
-    s = spec.resolve(config)
-    problems = []
-    try:
-        check_layout(spec.model, s.tp, s.ep, s.lnc, s.max_batch, s.max_seq_len, list(s.context_buckets),
-                     list(s.token_buckets or [s.max_seq_len]))
-    except ConfigError as exc:
-        problems += exc.problems
-    problems += [p for p in spec.problems(config) if p not in problems]
-    if problems:
-        raise SpecError(problems, source="compile --dry-run")
-    return s, config
+    return check(compile_spec(args))
 
 
 def run(args) -> int:
@@ -102,19 +89,20 @@ def run(args) -> int:
 
         return compile_for_vllm(vllm_spec(args), args.compiled)
     spec = compile_spec(args)
-    spec = spec.validate(_config(spec.model))
+    config = M3Config.from_pretrained(spec.model)  # parsed once, handed down
+    spec = spec.validate(config)
     if spec.max_batch > 1:
         print(f"batch {spec.max_batch}: {'continuous' if spec.continuous_batching else 'static'} batching")
     if spec.backend == "neuron" and not args.skip_compile:
         path = spec.artifact_dir()
-        app = application(spec.model, inference_config(spec))
+        app = application(spec.model, inference_config(spec, config))
         t0 = time.perf_counter()
         app.compile(path)
         spec.write_artifact(path)
         print(f"compiled prefill buckets {list(spec.context_buckets)} + decode buckets {list(spec.token_buckets)} in "
               f"{time.perf_counter() - t0:.0f} s -> {path}")
     t0 = time.perf_counter()
-    eng = load(spec, compile_missing=False)
+    eng = load(spec, config, compile_missing=False)
     print(f"loaded in {time.perf_counter() - t0:.1f} s")
     prompt = [int(x) for x in args.prompt_ids.split(",")]
     res = eng.generate([prompt], GenerationConfig(max_new_tokens=args.max_new_tokens))[0]
@@ -142,7 +130,7 @@ def _dry_run(args) -> int:
     spec, config = check_dry_run(args)
     out = args.compiled or spec.artifact_dir() + "-dry-run"
     # neither sharded weights nor all-position logits: a dry run reads only config.json
-    app = NeuronMiniMaxM3ForCausalLM(spec.model, inference_config(spec, save_sharded_checkpoint=False))
+    app = NeuronMiniMaxM3ForCausalLM(spec.model, inference_config(spec, config, save_sharded_checkpoint=False))
     t0 = time.perf_counter()
     manifest = dry_run.trace(app, out, "minimax-m3", config)
     ctx, tkg = list(spec.context_buckets), list(spec.token_buckets)

@@ -17,6 +17,7 @@ from neuronx_distributed_inference.modules.autobucketing import generate_buckets
 
 from ..config import sharding
 from ..config.m3 import M3Config
+from ..engine.spec import bucket_problems
 from ..errors import ServingError
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
             raise ServingError(problems)
         self.prefill_all_logits = bool(kwargs.pop("prefill_all_logits", False))
         # vllm-neuron passes tp_degree only: the MoE split defaults to all TP ranks over moe_ep_degree groups
-        kwargs.setdefault("moe_tp_degree", kwargs.get("tp_degree", 1) // max(1, kwargs.get("moe_ep_degree", 1)))
+        tp, ep = kwargs.get("tp_degree", 1), kwargs.get("moe_ep_degree") or 1
+        kwargs.setdefault("moe_tp_degree", sharding.moe_tp(tp, ep))
         kwargs.setdefault("glu_mlp", True)
         kwargs.setdefault("glu_type", "swiglu")
         kwargs.setdefault("hidden_act_scaling_factor", 1.702)
@@ -92,12 +94,11 @@ def m3_dict(c: M3Config) -> dict:
     return c.fields_dict()
 
 
-def load_m3_config(path: str | Path):
-    """An NxDI ``load_config`` hook reading ``config.json`` (either form) through :class:`M3Config`.
+def config_hook(c: M3Config, path: str | Path):
+    """An NxDI ``load_config`` hook handing NxDI the model's parsed config ``c`` (of the checkpoint at ``path``).
 
     transformers 4.57 (NxDI's pin) does not know ``minimax_m3_vl``, so NxDI's ``load_pretrained_config``
     cannot be used."""
-    c = M3Config.from_pretrained(path)
     root = Path(path)
 
     def hook(cfg: InferenceConfig) -> None:
@@ -105,6 +106,12 @@ def load_m3_config(path: str | Path):
         cfg._name_or_path = str(root if root.is_dir() else root.parent)
 
     return hook
+
+
+def load_m3_config(path: str | Path):
+    """:func:`config_hook` of ``config.json`` at ``path`` (either form), read here: for callers that hand NxDI a
+    path (vllm-neuron's loader through the plugin, tests); the engine passes the config it parsed."""
+    return config_hook(M3Config.from_pretrained(path), path)
 
 
 class MiniMaxM3InferenceConfig(InferenceConfig):
@@ -181,17 +188,15 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
             problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
         tp = nc.tp_degree
         problems += sharding.model_problems(c, tp, nc.moe_ep_degree)
+        # the buckets NxDI will build (its own when none are given; one of each length without bucketing)
         tkg = [b[-1] if isinstance(b, list) else b for b in generate_buckets_for_tkg(self)]
-        if any(c.sparse_layers) and any(b % c.index_block_size for b in tkg):
-            problems.append(f"token-generation buckets {tkg} must be multiples of index_block_size "
-                            f"{c.index_block_size} (sparse decode reads the caches by whole blocks): choose such "
-                            "token_generation_buckets (--token-buckets) and max length (--seq-len)")
-        problems += _bucket_problems(self, tkg)
+        cte = nc.context_encoding_buckets if nc.enable_bucketing else [nc.max_context_length]
+        problems += bucket_problems(cte, tkg, nc.max_context_length, nc.seq_len, c)
         if nc.moe_tp_degree * nc.moe_ep_degree != tp:
             problems.append(f"moe_tp_degree {nc.moe_tp_degree} x moe_ep_degree {nc.moe_ep_degree} must equal "
                             f"tp_degree {tp} (vLLM's --tensor-parallel-size)")
-        if problems:
-            raise ValueError("MiniMax-M3 NxDI config: " + "; ".join(problems))
+        if problems:  # NxDI asks for no exception type; ServingError keeps ValueError for vllm-neuron's loader,
+            raise ServingError(problems)  # which catches (FileNotFoundError, ValueError) around a precompiled load
 
     def get_required_attributes(self):
         return ["m3", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
@@ -201,22 +206,3 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
     @classmethod
     def get_neuron_config_cls(cls):
         return MiniMaxM3NeuronConfig
-
-
-def _bucket_problems(cfg: InferenceConfig, tkg: list[int]) -> list[str]:
-    """Buckets that cannot hold the lengths the config promises (vllm-neuron sets ``seq_len`` and
-    ``max_context_length`` from --max-model-len; a longer request would fail only when it arrives)."""
-    nc = cfg.neuron_config
-    if not nc.enable_bucketing:
-        return []
-    problems = []
-    if tkg and max(tkg) < nc.seq_len:
-        problems.append(f"the largest token-generation bucket {max(tkg)} is below seq_len {nc.seq_len} (vLLM's "
-                        f"--max-model-len): lower --max-model-len to {max(tkg)} or add {nc.seq_len} to "
-                        "token_generation_buckets")
-    cte = nc.context_encoding_buckets
-    if cte and max(cte) < nc.max_context_length:
-        problems.append(f"the largest context-encoding bucket {max(cte)} is below max_context_length "
-                        f"{nc.max_context_length} (vLLM's --max-model-len): lower --max-model-len to {max(cte)} or "
-                        f"add {nc.max_context_length} to context_encoding_buckets")
-    return problems

@@ -142,16 +142,17 @@ class NeuronEngine(Engine):
 
     @classmethod
     def from_pretrained(cls, model: str, on_cpu: bool = False, **kwargs) -> "NeuronEngine":
-        """Keyword form of :func:`load` (spec fields or ``build_neuron_config``'s names: ``tp_degree``...)."""
+        """Keyword form of :func:`load` (spec fields or their older NxDI-style names: ``tp_degree``...)."""
         spec = spec_from_kwargs(model, "neuron-cpu" if on_cpu else "neuron", **kwargs)
-        return load(spec.validate(M3Config.from_pretrained(spec.model)))
+        return load(spec, M3Config.from_pretrained(spec.model))
 
 
-def load(spec: EngineSpec, compile_missing: bool = True) -> NeuronEngine:
-    """The neuron engine of a validated, resolved ``spec``: NxDI's CPU mode (``neuron-cpu``), or the NEFFs at
-    ``spec.artifact_dir()`` (compiled there first when missing and ``compile_missing``)."""
-    config = inference_config(spec)
-    app = application(spec.model, config)
+def load(spec: EngineSpec, config: M3Config, compile_missing: bool = True) -> NeuronEngine:
+    """The neuron engine of ``spec`` (validated here against the model's parsed ``config``; config.json is not read
+    again): NxDI's CPU mode (``neuron-cpu``), or the NEFFs at ``spec.artifact_dir()`` (compiled there first when
+    missing and ``compile_missing``)."""
+    spec = spec.validate(config)
+    app = application(spec.model, inference_config(spec, config))
     if spec.backend == "neuron-cpu":
         to_cpu(app)
     else:
@@ -165,4 +166,4 @@ def load(spec: EngineSpec, compile_missing: bool = True) -> NeuronEngine:
             app.compile(path)
             spec.write_artifact(path)
         app.load(path)
-    return NeuronEngine(app, config.m3_config(), spec)
+    return NeuronEngine(app, config, spec)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .._atomic import move_into_place
+from ..checkpoint.mapping import unit_of
 from ..checkpoint.pipeline import bytes_view
 from ..checkpoint.reader import DTYPE_NAMES, CheckpointError
 
@@ -59,15 +60,10 @@ def unfilled_parameters(module: nn.Module, keys) -> list[str]:
                   if keys.isdisjoint(ns) and not all(n.startswith(RUNTIME_STATE) for n in ns))
 
 
-def unit_of(key: str) -> str:
-    """The conversion unit of a converted key: ``layers.{L}`` or ``global``."""
-    parts = key.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 and parts[1].isdigit() else "global"
-
-
 def units(pairs):
     """Group the converter's ``(name, tensor)`` stream into ``(unit, {name: tensor})`` of consecutive keys of one
-    unit (the stream goes unit by unit: the global tensors, then each layer)."""
+    unit (:func:`~minimax_m3.checkpoint.mapping.unit_of`: a layer index, None for the global tensors; the stream
+    goes unit by unit: the global tensors, then each layer)."""
     cur, part = None, {}
     for name, t in pairs:
         u = unit_of(name)
@@ -80,19 +76,19 @@ def units(pairs):
         yield cur, part
 
 
-def submodule_for(model: nn.Module, unit: str) -> nn.Module:
-    """A module whose state-dict names are ``model``'s for ``unit`` only: ``layers.{L}.*`` (the same layer module
-    under the same name) or every top-level child but ``layers`` (the global tensors)."""
+def submodule_for(model: nn.Module, unit: int | None) -> nn.Module:
+    """A module whose state-dict names are ``model``'s for ``unit`` only: layer ``unit``'s ``layers.{L}.*`` (the
+    same layer module under the same name) or, for None, every top-level child but ``layers`` (the global
+    tensors)."""
     view = nn.Module()
-    if unit == "global":
+    if unit is None:
         for name, child in model.named_children():
             if name != "layers":
                 view.add_module(name, child)
         for name, p in model.named_parameters(recurse=False):
             view.register_parameter(name, p)
     else:
-        idx = unit.split(".")[1]
-        view.add_module("layers", nn.ModuleDict({idx: model.layers[int(idx)]}))
+        view.add_module("layers", nn.ModuleDict({str(unit): model.layers[unit]}))
     if hasattr(model, "config"):
         view.config = model.config  # get_sharded_checkpoint reads config.torch_dtype
     return view

@@ -21,43 +21,34 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import sharding
 from .._atomic import write_atomic
+from ..config import sharding
 from ..config.m3 import ConfigError, M3Config
+from ..engine.spec import EngineSpec, SpecError
 
 ROLES = {0: "input", 1: "state", 2: "weight"}  # metaneff MetaTensor.Type: USER_INPUT, INPUT_STATE, INPUT_WEIGHT
 
 
-def check_layout(model: str | None, tp: int, ep: int, lnc: int, batch: int, seq_len: int,
-                 context_buckets: list[int], token_buckets: list[int]) -> M3Config:
-    """Every reason the port cannot trace this layout, in one :class:`ConfigError`; else the model config."""
-    problems: list[str] = []
-    config = None
-    if not model:
-        problems.append("--model is required: a directory with the release's config.json (weights are not read)")
-    elif not (Path(model) / "config.json").is_file():
-        problems.append(f"{model}/config.json not found: --model must name a checkpoint directory (a dry run reads "
-                        "only its config.json)")
+def check(spec: EngineSpec) -> tuple[EngineSpec, M3Config]:
+    """Every reason the port cannot trace ``spec``, in one :class:`SpecError`: the spec's own checks and the dry
+    run's (``--model`` must be a directory with ``config.json``, the only file a dry run reads; the graph harness
+    splits the vocabulary in equal slices). Else the resolved spec and the model config."""
+    config, problems = None, []
+    if not (Path(spec.model) / "config.json").is_file():
+        problems.append(f"{spec.model}/config.json not found: --model must name a checkpoint directory (a dry run "
+                        "reads only its config.json)")
     else:
         try:
-            config = M3Config.from_pretrained(model)
+            config = M3Config.from_pretrained(spec.model)
         except ConfigError as exc:
-            problems.extend(exc.problems)
-    for name, value in (("--tp", tp), ("--ep", ep), ("--batch", batch), ("--seq-len", seq_len), ("lnc", lnc)):
-        if value < 1:
-            problems.append(f"{name} must be positive (got {value})")
-    for what, buckets in (("context", context_buckets), ("token-generation", token_buckets)):
-        if not buckets:
-            problems.append(f"no {what} bucket is <= --seq-len {seq_len}: give buckets up to the cache length")
-        too_long = [b for b in buckets if b > seq_len]
-        if too_long:
-            problems.append(f"{what} buckets {too_long} exceed the cache (--seq-len {seq_len}): a bucket larger than "
-                            "the cache cannot be traced; drop them or raise --seq-len")
-    if config is not None and min(tp, ep) >= 1:  # the graph harness shards the vocabulary in equal slices
-        problems += sharding.layout_problems(config, tp, ep, even_vocab=True)
+            problems += exc.problems
+    s = spec.resolve(config)
+    problems += spec.problems(config)
+    if config is not None and min(s.tp, s.ep) >= 1:
+        problems += sharding.vocab_problems(config, s.tp)
     if problems:
-        raise ConfigError(problems, source="compile --dry-run")
-    return config
+        raise SpecError(problems, source="compile --dry-run")
+    return s, config
 
 
 def _bucket_of(example_inputs) -> tuple[int, int]:

@@ -126,8 +126,10 @@ def format_largest(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--tp", type=int, default=64, help="tensor-parallel degree (ranks; default 64)")
-    ap.add_argument("--ep", type=int, default=64, help="expert-parallel degree for the MoE (default 64)")
+    ap.add_argument("--tp", type=int, default=sharding.TRN2["tp"], help="tensor-parallel degree (ranks; default: "
+                    "trn2.48xlarge's %(default)s)")
+    ap.add_argument("--ep", type=int, default=sharding.TRN2["ep"], help="expert-parallel degree for the MoE (default: "
+                    "%(default)s)")
     ap.add_argument("--batch", type=int, required=True, help="sequences decoded together")
     ap.add_argument("--seq", type=int, required=True, help="maximum tokens per sequence (prompt + output)")
     ap.add_argument("--layout", choices=LAYOUTS, default="sharded",

@@ -46,7 +46,7 @@ def weights_read(c: M3Config, tp: int, ep: int, tokens: int, weights: str = "bf1
     for name in parts:
         if name != "routers (fp32)" and not (name == "routed experts" and weights == "fp8"):
             parts[name] = parts[name] * dtype_bytes // BF16
-    vocab_rank, local = -(-c.vocab_size // tp), c.num_experts // ep
+    vocab_rank, local = -(-c.vocab_size // tp), sharding.local_experts(c.num_experts, ep)
     parts["embedding + lm_head"] = (vocab_rank + min(tokens, vocab_rank)) * c.hidden_size * dtype_bytes
     parts["routed experts"] = parts["routed experts"] * min(local, tokens * c.top_k) // local
     return parts
@@ -143,7 +143,7 @@ def chunk_flops(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int)
 def _moe_rows_read(c: M3Config, ep: int, tokens: int, moe_block: int = 512) -> int:
     """Rows of the blockwise MoE buffers a rank reads on average: its share of the ``tokens x top_k`` assignments
     (balanced routing) plus, per local expert, up to one partly filled block."""
-    local = c.num_experts // ep
+    local = sharding.local_experts(c.num_experts, ep)
     return tokens * c.top_k * local // c.num_experts + local * moe_block
 
 

@@ -139,9 +139,9 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[
     n_sparse = sum(c.sparse_layers)
     vocab = -(-c.vocab_size // tp) * tp
     i_rank = c.intermediate_size // moe_tp
-    experts = n_moe * (c.num_experts // ep) * 3 * h * i_rank * (FP8 if weights == "fp8" else BF16)
+    experts = n_moe * sharding.local_experts(c.num_experts, ep) * 3 * h * i_rank * (FP8 if weights == "fp8" else BF16)
     if weights == "fp8":  # scales [E, 1, 2I/moe_tp] (gate/up, sharded with its columns) and [E, 1, H] (down)
-        experts += n_moe * (c.num_experts // ep) * (2 * i_rank + h) * FP32
+        experts += n_moe * sharding.local_experts(c.num_experts, ep) * (2 * i_rank + h) * FP32
     parts = {
         "embedding + lm_head": 2 * vocab // tp * h * BF16,
         "attention": c.num_layers * (2 * q * d * h + 2 * kv * d * h + 2 * d) * BF16,
@@ -258,7 +258,7 @@ def sharded_attention_bytes(c: M3Config, tp: int, seq: int, chunk: int) -> dict[
 def moe_bytes(c: M3Config, tp: int, ep: int, tokens: int, moe_block: int = 512) -> int:
     """Per-rank MoE bytes of a prefill of ``tokens`` tokens: fp32 router logits and scores, and NxDI's blockwise
     buffers (``ceil(T k / block) + local_experts - 1`` blocks of ``block`` rows: tokens in, gate/up, out)."""
-    rows = (-(-tokens * c.top_k // moe_block) + c.num_experts // ep - 1) * moe_block
+    rows = (-(-tokens * c.top_k // moe_block) + sharding.local_experts(c.num_experts, ep) - 1) * moe_block
     return (2 * tokens * c.num_experts * FP32
             + rows * (2 * c.hidden_size + 2 * c.intermediate_size // sharding.moe_tp(tp, ep)) * BF16)
 

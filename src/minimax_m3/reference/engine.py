@@ -40,22 +40,20 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
 
 
 class ReferenceProvider:
-    """Prefill and decode steps of an :class:`M3Model` (one group of sequences at a time)."""
+    """Prefill and decode steps of an :class:`M3Model` (one group of sequences at a time) with the lengths, batch and
+    tile of a validated ``spec``: each group's cache holds ``spec.max_seq_len`` positions, as the neuron backend's."""
 
     continuous = False
 
-    def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch: int = 8, tile: int = 256,
-                 prefill_chunk: int | None = None):
+    def __init__(self, model: M3Model, spec: EngineSpec, prefill_chunk: int | None = None):
         """``prefill_chunk``: tokens per prefill call (default ``ops.call_tokens``: 8192 rounded to whole blocks);
         a longer prompt is prefilled in calls of that many tokens, each attending to the cache the earlier calls
         wrote plus itself, so its working memory is one call's."""
         self.model = model
         self.config: M3Config = model.config
         self.device = model.lm_head.weight.device
-        self.max_seq_len = min(max_seq_len, self.config.max_position_embeddings)
-        self.max_context_len = self.max_seq_len
-        self.max_batch = max_batch
-        self.tile = tile
+        self.max_seq_len, self.max_context_len = spec.max_seq_len, spec.max_context_len
+        self.max_batch, self.tile = spec.max_batch, spec.tile
         self.prefill_chunk = prefill_chunk or ops.call_tokens(self.config.index_block_size)
         self._cache, self._rows = None, 0
 
@@ -87,7 +85,7 @@ class ReferenceProvider:
     def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int) -> torch.Tensor:
         if slots != list(range(len(prompts))):
             raise EngineInputError(f"the reference backend prefills a whole group into slots 0..n-1, got {slots}")
-        logits, self._cache = self._forward(prompts, max_len, all_logits=False)
+        logits, self._cache = self._forward(prompts, self.max_seq_len, all_logits=False)  # the loop checked the fit
         self._rows = len(prompts)
         self._sync()
         return logits[:, 0]
@@ -116,34 +114,43 @@ class ReferenceEngine(Engine):
 
     def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
                  spec: EngineSpec | None = None):
-        super().__init__(ReferenceProvider(model, max_seq_len, max_batch_size, tile), spec)
+        """``spec``: the validated spec the model was loaded for (:func:`load_reference`); without it (a model built
+        by hand) the spec of the other arguments, validated against the model's config."""
+        if spec is None:
+            w = model.lm_head.weight
+            dtype = str(w.dtype).removeprefix("torch.")  # float64: models built by hand for exact comparisons
+            spec = EngineSpec(model="", backend="reference", device=str(w.device), max_seq_len=max_seq_len,
+                              dtype=dtype if dtype in DTYPES else None, max_batch=max_batch_size,
+                              tile=tile).validate(model.config)
+            spec = dataclasses.replace(spec, dtype=dtype)
+        super().__init__(ReferenceProvider(model, spec), spec)
         self.model, self.device, self.dtype = model, self.provider.device, model.lm_head.weight.dtype
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | None = None, dtype: str | torch.dtype | None = None,
                         max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
                         plan: ShardPlan | None = None) -> "ReferenceEngine":
-        """Keyword form of :func:`load_reference`. ``plan``: this rank's tensor/expert-parallel slice (every rank
-        of the process group must then make the same calls with the same inputs)."""
+        """Keyword form of :func:`load_reference` (``path``: a checkpoint directory or ``s3://``, downloaded once).
+        ``plan``: this rank's tensor/expert-parallel slice (every rank of the process group must then make the same
+        calls with the same inputs)."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
+        path = storage.resolve(str(path))
         spec = EngineSpec(model=str(path), backend="reference", device=device, dtype=dtype, max_seq_len=max_seq_len,
                           max_batch=max_batch_size, tile=tile)
-        return load_reference(spec, plan=plan)
+        return load_reference(spec, M3Config.from_pretrained(path), plan=plan)
 
 
-def load_reference(spec: EngineSpec, plan: ShardPlan | None = None) -> ReferenceEngine:
-    """The reference engine of ``spec``. Under ``torchrun`` (``WORLD_SIZE > 1``) without a ``plan`` the process
-    group is joined here with ``spec.ep`` (whose default is ``$MINIMAX_M3_EP``) and device None/"cuda" becomes
-    this rank's GPU."""
-    path = storage.resolve(spec.model, spec.cache_dir)  # s3:// models: downloaded once (a local path as is)
-    spec = dataclasses.replace(spec, model=str(path))
-    config = M3Config.from_pretrained(path)
+def load_reference(spec: EngineSpec, config: M3Config, plan: ShardPlan | None = None) -> ReferenceEngine:
+    """The reference engine of ``spec`` (a local checkpoint) over the model's parsed ``config`` (config.json is not
+    read again), the spec validated against it first. Under ``torchrun`` (``WORLD_SIZE > 1``) without a ``plan``
+    the process group is joined here with ``spec.ep`` (whose default is ``$MINIMAX_M3_EP``) and device None/"cuda"
+    becomes this rank's GPU."""
     resolved = spec.validate(config)
     if plan is None and resolved.tp > 1:
         plan, rank_device = init_distributed(ep=resolved.ep)
         device = rank_device if spec.device in (None, "cuda") else spec.device
         resolved = dataclasses.replace(resolved, device=device)
-    model = load_model(path, device=resolved.device, dtype=resolve_dtype(resolved.dtype, resolved.device),
-                       config=config, plan=plan)
-    return ReferenceEngine(model, resolved.max_seq_len, resolved.max_batch, resolved.tile, spec=resolved)
+    model = load_model(resolved.model, device=resolved.device, config=config, plan=plan,
+                       dtype=resolve_dtype(resolved.dtype, resolved.device))
+    return ReferenceEngine(model, spec=resolved)

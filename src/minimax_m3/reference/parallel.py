@@ -29,6 +29,14 @@ import torch.distributed as dist
 
 from ..config import sharding
 from ..config.m3 import M3Config
+from ..errors import M3Error
+
+
+class ShardPlanError(M3Error, ValueError):
+    """A tensor/expert-parallel layout the model (or one of its tensors) does not split into, every problem listed."""
+
+    def __init__(self, problems):
+        super().__init__(problems, "sharding plan does not fit the model:")
 
 
 def create_local_weight(full: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1) -> torch.Tensor:
@@ -36,7 +44,7 @@ def create_local_weight(full: torch.Tensor, dim: int, rank: int, world: int, str
     chunks ``rank, rank + world, ...`` (stride 1: the contiguous ``rank``-th slice)."""
     size = full.shape[dim]
     if size % (world * stride):
-        raise ValueError(f"dim {dim} of size {size} does not split into {world} ranks x stride {stride}")
+        raise ShardPlanError(f"dim {dim} of size {size} does not split into {world} ranks x stride {stride}")
     chunks = torch.split(full, size // (world * stride), dim=dim)
     return torch.cat(chunks[rank::world], dim=dim).contiguous()
 
@@ -44,8 +52,8 @@ def create_local_weight(full: torch.Tensor, dim: int, rank: int, world: int, str
 def experts_for_rank(ep_rank: int, num_experts: int, ep: int) -> range:
     """The contiguous expert range of one expert-parallel rank."""
     if num_experts % ep:
-        raise ValueError(f"{num_experts} experts do not split into ep={ep} groups")
-    n = num_experts // ep
+        raise ShardPlanError(f"{num_experts} experts do not split into ep={ep} groups")
+    n = sharding.local_experts(num_experts, ep)
     return range(ep_rank * n, (ep_rank + 1) * n)
 
 
@@ -61,7 +69,7 @@ class ShardPlan:
     # ---- derived ---------------------------------------------------------------------------------------------
     @property
     def moe_tp(self) -> int:
-        return self.world // self.ep
+        return sharding.moe_tp(self.world, self.ep)
 
     @property
     def ep_rank(self) -> int:
@@ -88,12 +96,12 @@ class ShardPlan:
         return range(self.rank * n, (self.rank + 1) * n)
 
     def check(self, c: M3Config) -> None:
-        """Raise one ValueError listing every degree that does not fit the model (``sharding``'s rules; the
-        reference splits the vocabulary in equal slices)."""
+        """Raise one :class:`ShardPlanError` listing every degree that does not fit the model (``sharding``'s
+        rules; the reference splits the vocabulary in equal slices)."""
         p = [] if 0 <= self.rank < self.world else [f"rank {self.rank} outside world size {self.world}"]
         p += sharding.layout_problems(c, self.world, self.ep, even_vocab=True)
         if p:
-            raise ValueError("sharding plan does not fit the model: " + "; ".join(p))
+            raise ShardPlanError(p)
 
     # ---- collectives -------------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
     from transformers import PretrainedConfig
 
-    from minimax_m3.config import M3Config
+    from minimax_m3.config import sharding
     from minimax_m3.neuron import compile as ours
     from minimax_m3.neuron import trace as dry_run
 
@@ -42,16 +42,15 @@ def main(argv: list[str]) -> int:
     ours.add_args(ap)
     args = ap.parse_args(argv)
     contrib = load_contrib()
-    args.seq_len, args.batch = args.max_seq_len, args.max_batch or 1
-    ctx = list(args.context_buckets or ours.context_buckets(args.seq_len))
-    tkg = list(args.token_buckets or [args.seq_len])
-    dry_run.check_layout(args.model, args.tp, args.ep, args.lnc, args.batch, args.seq_len, ctx, tkg)
+    spec, config = ours.check_dry_run(args)  # the same spec, checks and shapes as ``compile --dry-run ARGS``
+    ctx, tkg, batch = list(spec.context_buckets), list(spec.token_buckets), spec.max_batch
     nc = contrib.MiniMaxM3NeuronConfig(
-        tp_degree=args.tp, moe_ep_degree=args.ep, moe_tp_degree=args.tp // args.ep, logical_nc_config=args.lnc,
-        batch_size=args.batch, max_batch_size=args.batch, ctx_batch_size=args.batch, tkg_batch_size=args.batch,
-        seq_len=args.seq_len, max_context_length=max(ctx), torch_dtype=getattr(torch, args.dtype),
-        enable_bucketing=True, context_encoding_buckets=ctx, token_generation_buckets=tkg, padding_side="right",
-        router_config={"act_fn": "sigmoid", "dtype": "float32"}, attn_kernel_enabled=False, output_logits=False,
+        tp_degree=spec.tp, moe_ep_degree=spec.ep, moe_tp_degree=sharding.moe_tp(spec.tp, spec.ep),
+        logical_nc_config=spec.lnc, batch_size=batch, max_batch_size=batch, ctx_batch_size=batch,
+        tkg_batch_size=batch, seq_len=spec.max_seq_len, max_context_length=spec.max_context_len,
+        torch_dtype=getattr(torch, spec.dtype), enable_bucketing=True, context_encoding_buckets=ctx,
+        token_generation_buckets=tkg, padding_side="right", router_config={"act_fn": "sigmoid", "dtype": "float32"},
+        attn_kernel_enabled=False, output_logits=False,
     )
     raw = json.loads((Path(args.model) / "config.json").read_text())
     text = dict(raw.get("text_config", raw), model_type="minimax_m3", architectures=["MiniMaxM3SparseForCausalLM"])
@@ -60,7 +59,7 @@ def main(argv: list[str]) -> int:
     cfg = contrib.MiniMaxM3InferenceConfig(nc, load_config=load_pretrained_config(hf_config=hf))
     cfg._name_or_path = args.model
     app = contrib.NeuronMiniMaxM3ForCausalLM(args.model, cfg)
-    path = dry_run.trace(app, args.compiled, "contrib", M3Config.from_pretrained(args.model))
+    path = dry_run.trace(app, args.compiled, "contrib", config)
     print(f"traced the published port -> {path}")
     return 0
 

@@ -1,9 +1,10 @@
 """NxD's own checkpoint sharding at TP=64 / EP=64 / LNC=2 on a narrow MiniMax-M3, and the key map to the reference.
 
 ``python -m test.support.hlo.nxd_shard_tp64 CKPT OUT`` (run by ``test_shard_tp64.py`` in a subprocess of the NxDI
-environment, so NxD's process-global state — ``mock_distributed``, ``parallel_state``, the MoE process groups, env vars
-— never leaks into other tests) builds ``NeuronMiniMaxM3ForCausalLM`` with the trn2.48xlarge layout of
-``minimax_m3.neuron.compile.TRN2`` and runs ``get_builder().shard_checkpoint(serialize_path=OUT)``: NxD's
+environment, so NxD's process-global state — ``mock_distributed``, ``parallel_state``, the MoE process groups, env
+vars — never leaks into other tests) builds ``NeuronMiniMaxM3ForCausalLM`` with the trn2.48xlarge layout of
+``minimax_m3.config.sharding.TRN2`` (``--backend neuron``'s defaults) and runs
+``get_builder().shard_checkpoint(serialize_path=OUT)``: NxD's
 ``ModelBuilder.shard_checkpoint`` under ``mock_distributed(64)`` on the meta device, one process, writing
 ``tp{r}_sharded_checkpoint.safetensors`` for r = 0..63 exactly as NxDI's ``shard_weights`` does with
 ``save_sharded_checkpoint``. It also writes ``report.json``: the converter's keys as NxD received them, the keys NxD
@@ -116,15 +117,17 @@ def key_pairs(ref_keys, num_layers: int) -> dict[str, tuple[str, str]]:
 def _shard(ckpt: str, out: Path) -> dict:
     from neuronx_distributed.modules.moe.moe_process_group import get_moe_ep_group
 
-    from minimax_m3.neuron.compile import TRN2
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.build import build_neuron_config
+    from minimax_m3.config import M3Config
+    from minimax_m3.engine.spec import EngineSpec
+    from minimax_m3.neuron.build import inference_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
 
-    nc = build_neuron_config(**TRN2, batch_size=1, max_seq_len=256, max_context_length=256, dtype="bfloat16",
-                             enable_bucketing=True, context_encoding_buckets=[256], token_generation_buckets=[256],
-                             save_sharded_checkpoint=True, attn_kernel_enabled=False)
-    app = NeuronMiniMaxM3ForCausalLM(ckpt, MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(ckpt)))
+    m3 = M3Config.from_pretrained(ckpt)
+    # --backend neuron's defaults: the trn2 layout (config.sharding.TRN2), bfloat16, sharded weights saved
+    spec = EngineSpec(ckpt, backend="neuron", max_batch=1, max_seq_len=256, context_buckets=(256,),
+                      token_buckets=(256,)).resolve(m3)
+    app = NeuronMiniMaxM3ForCausalLM(ckpt, inference_config(spec, m3, attn_kernel_enabled=False))
+    nc = app.neuron_config
     builder = app.get_builder()
     received: dict = {}
     loader = builder.checkpoint_loader

@@ -45,21 +45,22 @@ def summarize(out: Path) -> list[dict]:
 def main(argv: list[str]) -> int:
     standins_trace.install()
     from minimax_m3.config import M3Config
+    from minimax_m3.engine.spec import EngineSpec
     from minimax_m3.neuron import trace as dry_run
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.build import build_neuron_config
+    from minimax_m3.neuron.build import inference_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
     from minimax_m3.neuron.sampling import on_device_sampling_config
 
     model, out = argv[0], Path(argv[1])
-    nc = build_neuron_config(tp_degree=1, moe_ep_degree=1, batch_size=2, max_seq_len=256, max_context_length=256,
-                             dtype="float32", logical_nc_config=1, enable_bucketing=True,
-                             context_encoding_buckets=[128, 256], token_generation_buckets=[128, 256],
-                             attn_kernel_enabled=False, output_logits="--output-logits" in argv,
-                             on_device_sampling_config=None if "--no-sampling" in argv else
-                             on_device_sampling_config(top_k_kernel_enabled=False))
-    app = NeuronMiniMaxM3ForCausalLM(model, MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(model)))
-    dry_run.trace(app, out, "minimax-m3", M3Config.from_pretrained(model))
+    m3 = M3Config.from_pretrained(model)
+    spec = EngineSpec(model, backend="neuron", tp=1, ep=1, lnc=1, max_batch=2, max_seq_len=256, dtype="float32",
+                      context_buckets=(128, 256), token_buckets=(128, 256)).resolve(m3)
+    config = inference_config(spec, m3, save_sharded_checkpoint=False, attn_kernel_enabled=False,
+                              output_logits="--output-logits" in argv,
+                              on_device_sampling_config=None if "--no-sampling" in argv else
+                              on_device_sampling_config(top_k_kernel_enabled=False))
+    app = NeuronMiniMaxM3ForCausalLM(model, config)
+    dry_run.trace(app, out, "minimax-m3", m3)
     print(json.dumps(summarize(out)))
     return 0
 

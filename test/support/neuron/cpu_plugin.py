@@ -46,6 +46,20 @@ def neuron_cpu_engine_kwargs(**overrides) -> dict:
     return kw
 
 
+def nxdi_spec(ckpt, backend: str = "neuron-cpu", **fields):
+    """``(spec, config)``: the resolved :class:`~minimax_m3.engine.spec.EngineSpec` of a test's NxDI build over
+    ``ckpt`` and the checkpoint's parsed M3Config, for ``neuron_config(spec, **extra)`` / ``inference_config(spec,
+    config, **extra)``: this process's TP, float32 and last-position logits unless ``fields`` say otherwise.
+    Resolved, not validated: some tests build on purpose what the engine refuses (several decode buckets in CPU
+    mode, a cache longer than the tiny model's positions)."""
+    from minimax_m3.config import M3Config
+    from minimax_m3.engine.spec import EngineSpec
+
+    config = M3Config.from_pretrained(ckpt)
+    fields = {"tp": world_size(), "dtype": "float32", "all_logits": False, **fields}
+    return EngineSpec(str(ckpt), backend, **fields).resolve(config), config
+
+
 def _backend(config) -> str | None:
     try:
         return config.getoption("--backend")
@@ -83,13 +97,13 @@ def _fill_engine_defaults() -> None:
         return
     original = neuron.load_neuron_engine
 
-    def load_neuron_engine(spec):
+    def load_neuron_engine(spec, config):
         if spec.backend == "neuron-cpu":
             import dataclasses
 
             defaults = {"tp": world_size(), "max_batch": DEFAULT_BATCH, "dtype": "float32"}
             spec = dataclasses.replace(spec, **{k: v for k, v in defaults.items() if getattr(spec, k) is None})
-        return original(spec)
+        return original(spec, config)
 
     load_neuron_engine._neuron_cpu_defaults = True
     neuron.load_neuron_engine = load_neuron_engine

@@ -43,21 +43,19 @@ def presharded(app, weights: Path):
 
 
 def engine(ckpt: str, tp: int, weights: Path | None):
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
     from minimax_m3.neuron.provider import NeuronEngine
     from minimax_m3.neuron.nxd_compat import to_cpu as _to_cpu
-    from minimax_m3.neuron.build import application, build_neuron_config
+    from minimax_m3.neuron.build import application, inference_config
+    from test.neuron_cpu.plugin import nxdi_spec
 
-    nc = build_neuron_config(tp_degree=tp, batch_size=1, max_seq_len=96, max_context_length=80, dtype="float32",
-                             on_cpu=True, prefill_all_logits=True)
-    config = MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(ckpt))
-    app = application(ckpt, config)
+    spec, m3 = nxdi_spec(ckpt, tp=tp, max_batch=1, max_seq_len=96, max_context_len=80, all_logits=True)
+    app = application(ckpt, inference_config(spec, m3))
     if weights is None:
         _to_cpu(app)
     else:
         with presharded(app, weights):
             _to_cpu(app)
-    return NeuronEngine(app, config.m3_config())
+    return NeuronEngine(app, m3, spec)
 
 
 def main(argv: list[str]) -> int:

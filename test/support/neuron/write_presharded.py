@@ -44,15 +44,14 @@ def _reset_peak() -> None:
 
 
 def build_app(ckpt: str, tp: int, ep: int, dtype: str = "bfloat16", skip_sharding: bool = True):
-    from minimax_m3.neuron.config import MiniMaxM3InferenceConfig, load_m3_config
-    from minimax_m3.neuron.build import build_neuron_config
+    from minimax_m3.neuron.build import inference_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
+    from test.neuron_cpu.plugin import nxdi_spec
 
-    nc = build_neuron_config(tp_degree=tp, moe_ep_degree=ep, batch_size=1, max_seq_len=256, max_context_length=256,
-                             dtype=dtype, enable_bucketing=True, context_encoding_buckets=[256],
-                             token_generation_buckets=[256], save_sharded_checkpoint=True, skip_sharding=skip_sharding,
-                             attn_kernel_enabled=False, logical_nc_config=2 if tp == 64 else 1)
-    return NeuronMiniMaxM3ForCausalLM(ckpt, MiniMaxM3InferenceConfig(nc, load_config=load_m3_config(ckpt)))
+    spec, m3 = nxdi_spec(ckpt, "neuron", tp=tp, ep=ep, lnc=2 if tp == 64 else 1, dtype=dtype, max_batch=1,
+                         max_seq_len=256, context_buckets=(256,), token_buckets=(256,))  # sharded weights saved
+    config = inference_config(spec, m3, skip_sharding=skip_sharding, attn_kernel_enabled=False)
+    return NeuronMiniMaxM3ForCausalLM(ckpt, config)
 
 
 def wide_config(layers: int = 3, experts: int = 64, expert_intermediate: int = 256, vocab: int = 32768):

@@ -17,12 +17,14 @@ def main(argv: list[str]) -> int:
 
     standins.bootstrap()
     os.environ.pop("NXD_CPU_MODE", None)
+    from minimax_m3.config import M3Config
     from minimax_m3.neuron.build import application, inference_config
     from minimax_m3.engine.spec import EngineSpec
 
+    m3 = M3Config.from_pretrained(ckpt)
     spec = EngineSpec(ckpt, backend="neuron", tp=tp, ep=1, lnc=1, max_seq_len=256, max_batch=1,
-                      context_buckets=(256,), token_buckets=(256,), weights="fp8").resolve()
-    config = inference_config(spec, skip_sharding=True)
+                      context_buckets=(256,), token_buckets=(256,), weights="fp8").resolve(m3)
+    config = inference_config(spec, m3, skip_sharding=True)
     app = application(ckpt, config)
     if mode == "nxd":
         app.get_builder().shard_checkpoint(serialize_path=str(out))

@@ -20,7 +20,7 @@ import json
 import shlex
 import time
 
-from ...config.m3 import ConfigError, M3Config
+from ...config.m3 import M3Config
 from ...engine.spec import EngineSpec, SpecError
 
 # the engine's NxDI fields vllm-neuron does not set itself (the rest it derives from the vLLM flags)
@@ -97,12 +97,7 @@ def vllm_inference_config(spec: EngineSpec, override: dict):
     vllm_plugin.register_config()  # what the plugin does in vLLM's processes: config.json through AutoConfig
     kw = vllm_neuron_config(**_flags(spec), override=override)
     cls = MiniMaxM3InferenceConfig
-    try:
-        return cls(cls.get_neuron_config_cls()(**kw), load_config=load_pretrained_config(spec.model))
-    except ConfigError:
-        raise
-    except ValueError as exc:
-        raise ConfigError([str(exc)], source="compile --for-vllm") from None
+    return cls(cls.get_neuron_config_cls()(**kw), load_config=load_pretrained_config(spec.model))  # ServingError
 
 
 def serve_command(spec: EngineSpec, override: dict, path: str, name: str = "minimax-m3") -> str:
