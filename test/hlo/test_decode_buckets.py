@@ -46,7 +46,7 @@ def _recording_engine(ckpt, **fields):
     from minimax_m3.neuron.build import inference_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
     from minimax_m3.neuron.provider import NeuronEngine
-    from test.neuron_cpu.plugin import nxdi_spec
+    from test.support.neuron.cpu_plugin import nxdi_spec
 
     spec, m3 = nxdi_spec(ckpt, "neuron", tp=1, ep=1, lnc=1, **fields)  # the device layout, never run
     config = inference_config(spec, m3, save_sharded_checkpoint=False, attn_kernel_enabled=False)
@@ -109,7 +109,7 @@ def test_token_buckets_off_the_indexer_block_are_refused_at_config_time(ckpt):
 
     standins.bootstrap()
     from minimax_m3.neuron.build import inference_config
-    from test.neuron_cpu.plugin import nxdi_spec
+    from test.support.neuron.cpu_plugin import nxdi_spec
 
     block = M3Config.preset("tiny").index_block_size
     spec, m3 = nxdi_spec(ckpt, "neuron", tp=1, ep=1, lnc=1, max_batch=1, max_seq_len=512, max_context_len=256,

@@ -27,7 +27,7 @@ def _engine_calls(ckpt, **fields):
     from minimax_m3.neuron.build import application, inference_config
     from minimax_m3.neuron.provider import NeuronEngine
 
-    from .plugin import nxdi_spec
+    from test.support.neuron.cpu_plugin import nxdi_spec
 
     spec, m3 = nxdi_spec(ckpt, "neuron", tp=1, ep=1, lnc=1, **fields)  # the device layout, never run
     config = inference_config(spec, m3, save_sharded_checkpoint=False, attn_kernel_enabled=False)

@@ -46,7 +46,7 @@ def engine(ckpt: str, tp: int, weights: Path | None):
     from minimax_m3.neuron.provider import NeuronEngine
     from minimax_m3.neuron.nxd_compat import to_cpu as _to_cpu
     from minimax_m3.neuron.build import application, inference_config
-    from test.neuron_cpu.plugin import nxdi_spec
+    from test.support.neuron.cpu_plugin import nxdi_spec
 
     spec, m3 = nxdi_spec(ckpt, tp=tp, max_batch=1, max_seq_len=96, max_context_len=80, all_logits=True)
     app = application(ckpt, inference_config(spec, m3))

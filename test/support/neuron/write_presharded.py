@@ -46,7 +46,7 @@ def _reset_peak() -> None:
 def build_app(ckpt: str, tp: int, ep: int, dtype: str = "bfloat16", skip_sharding: bool = True):
     from minimax_m3.neuron.build import inference_config
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
-    from test.neuron_cpu.plugin import nxdi_spec
+    from test.support.neuron.cpu_plugin import nxdi_spec
 
     spec, m3 = nxdi_spec(ckpt, "neuron", tp=tp, ep=ep, lnc=2 if tp == 64 else 1, dtype=dtype, max_batch=1,
                          max_seq_len=256, context_buckets=(256,), token_buckets=(256,))  # sharded weights saved
