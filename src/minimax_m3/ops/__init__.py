@@ -18,7 +18,7 @@ from .prefill import (
 from .rope import apply_rope, apply_rope_tables, rope_cos_sin, rope_inv_freq, rope_tables
 from .sampling import filter_logits, sample
 from .step import Selection, decode_step, prefill_step
-from . import sharded  # the sequence-sharded layout: ops.sharded.*
+from . import sharded, sharded_step  # the sequence-sharded layout: ops.sharded.*, the per-rank step
 
 __all__ = [
     "MAX_PREFILL_CALL", "Selection", "apply_rope", "apply_rope_tables", "attend_blocks", "attend_prior_active",
@@ -27,6 +27,6 @@ __all__ = [
     "expert_ffn", "filter_logits", "force_blocks", "gather_blocks", "index_block_scores", "masked_attention",
     "moe_all_experts", "prefill_attention", "prefill_blocks", "prefill_step", "rms_norm", "rope_cos_sin",
     "rope_inv_freq", "rope_tables", "route", "sample", "select_blocks", "select_blocks_for_queries",
-    "select_blocks_prior_active", "select_chunk", "sharded", "swiglu_mlp", "swiglu_oai", "top_blocks",
+    "select_blocks_prior_active", "select_chunk", "sharded", "sharded_step", "swiglu_mlp", "swiglu_oai", "top_blocks",
     "write_positions",
 ]
