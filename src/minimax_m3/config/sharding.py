@@ -25,6 +25,12 @@ def heads_per_rank(heads: int, tp: int) -> int:
     return 0 if tp % heads else 1
 
 
+def kv_group_size(c: M3Config, tp: int) -> int:
+    """G: the ranks holding one KV head (``tp / num_kv_heads``; 1 when each rank holds whole KV heads). With the
+    sequence-sharded caches they split its K/V and index-K caches (token ``p`` on group rank ``p mod G``)."""
+    return tp // c.num_kv_heads if tp > c.num_kv_heads else 1
+
+
 def moe_tp(tp: int, ep: int) -> int:
     """Ranks of one expert-parallel group (they split each expert's intermediate width)."""
     return tp // ep

@@ -21,6 +21,13 @@
   ``ops.decode_sparse_prior_active``); dense layers, and sparse layers whose bucket holds at most top-k blocks
   (the indexer would select them all), attend causally over the prior cache (``ops.decode_dense_prior_active``).
   Both steps are ``ops.prefill_step`` / ``ops.decode_step``, the code the reference model and ``test/xla`` run.
+* **Sequence-sharded caches** (``kv_layout="sharded"``, G = ``num_cores_per_group`` > 1 ranks per KV head; and every
+  context-encoding call when prompts are prefilled in chunks, ``prefill_chunk``): the step is
+  ``ops.sharded_step.rank_attention`` over the rank's shard of the prior caches (decode: NxDI's bucket slice; context
+  encoding: the rows' lines from the cache manager, ``M3KVCacheManager.prior``) plus its residue of the call's own
+  tokens, with the KV group's collectives (``nxd_compat.KVGroupOps``): the group's query heads gathered so each
+  selected block is read once for all of them, the block selection exact over the shards, the softmax merged by
+  log-sum-exp. Causality comes from positions: a call starts at ``position_ids[:, 0]``.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from neuronx_distributed.utils import cpu_mode
 from torch import nn
 
 from .. import ops
+from ..ops import sharded_step
 from ..ops.prefill import PREFILL_CHUNKS, PREFILL_MAX_CHUNK
+from . import nxd_compat
 from .layers import GemmaNorm, PartialRope
 
 
@@ -77,6 +86,10 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         self.max_chunk = getattr(config, "prefill_max_chunk", PREFILL_MAX_CHUNK)
         self.selection = ops.Selection.of(c)
         self._index = None
+        self.call_context = None  # (kv_mgr, layer, seq_ids, position_ids) of the current call
+        self.group = config.num_cores_per_group if getattr(config, "kv_layout", "replicated") == "sharded" else 1
+        self.chunked = bool(getattr(config, "prefill_chunk", None))
+        self.continuous_batching = config.neuron_config.is_continuous_batching
         if self.sparse:
             tp, dtype = config.neuron_config.tp_degree, self.torch_dtype
             self.index_heads_local = max(1, c.index_heads // tp)
@@ -98,8 +111,13 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         return ops.apply_rope(y, cos, sin)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, *args, **kwargs):
+        self.call_context = (kwargs.get("kv_mgr"), kwargs.get("idx", self.layer_idx), kwargs.get("seq_ids"),
+                             position_ids)
         if not self.sparse:
-            return super().forward(hidden_states, attention_mask, position_ids, past_key_value, *args, **kwargs)
+            try:
+                return super().forward(hidden_states, attention_mask, position_ids, past_key_value, *args, **kwargs)
+            finally:
+                self.call_context = None
         x = hidden_states.to(self.torch_dtype)
         rot_pos = kwargs.get("rotary_position_ids")
         rot_pos = position_ids if rot_pos is None else rot_pos
@@ -113,12 +131,14 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         try:
             out = super().forward(hidden_states, attention_mask, position_ids, past_key_value, *args, **kwargs)
         finally:
-            self._index = None
+            self._index, self.call_context = None, None
         k, v = out.present_key_value[0], out.present_key_value[1]
         return NeuronAttentionBaseOutput(out.hidden_states, (k, v, ik), out.cos_cache, out.sin_cache, out.residual)
 
     # ---- prefill ----------------------------------------------------------------------------------
     def perform_prefill(self, Q, K, V, q_len, bsz, attention_mask):
+        if self.group > 1 or self.chunked:
+            return self.prefill_call(Q, K, V), FlashAttentionStrategy.NONE
         if not self.sparse and self.get_flash_attention_strategy(q_len, attention_mask is not None) \
                 != FlashAttentionStrategy.NONE:
             return super().perform_prefill(Q, K, V, q_len, bsz, attention_mask)  # NxDI's flash kernel (device)
@@ -136,11 +156,43 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
             raise NotImplementedError("MiniMax-M3 decode takes one token per sequence (no speculation yet)")
         kc, vc = past_key_value[0], past_key_value[1]  # the bucket's prior cache, read only
         q_pos = position_ids[:, 0]
+        if self.group > 1:  # the rank's shard of the bucket's lines; the token is active where the rank owns it
+            rank = self.group_rank()
+            iq, ik = (self._index[0], self._index[1]) if self.sparse else (None, None)
+            act = sharded_step.token_active(K.to(kc.dtype), V.to(vc.dtype), None if ik is None else ik.to(kc.dtype),
+                                            q_pos, rank, self.group)
+            return sharded_step.rank_attention(Q, kc, vc, act, q_pos.view(-1, 1), q_pos, rank, self.group_ops(),
+                                               self.scale, self.selection if self.sparse else None, iq,
+                                               past_key_value[2] if self.sparse else None, _topk_fn())
         if not self.sparse:
             return ops.decode_step(Q, kc, vc, K.to(kc.dtype), V.to(vc.dtype), q_pos, self.scale)
         iq, ik, _, ikc = self._index  # validate_config keeps token-generation buckets block-aligned
         return ops.decode_step(Q, kc, vc, K.to(kc.dtype), V.to(vc.dtype), q_pos, self.scale, self.selection, iq, ikc,
                                ik.to(ikc.dtype))
+
+
+    # ---- the sharded / chunked step ------------------------------------------------------------------------
+    def group_rank(self):
+        return torch.remainder(self.rank_util.get_rank(), self.group).to(torch.int64) if self.group > 1 else 0
+
+    def group_ops(self):
+        return nxd_compat.KVGroupOps(self.group) if self.group > 1 else sharded_step.Alone()
+
+    def prefill_call(self, Q, K, V):
+        """A context-encoding call of ``T`` tokens from ``start = position_ids[:, 0]`` over the rows' prior lines
+        (what earlier calls wrote) plus the call's own keys (the rank's residue)."""
+        kv_mgr, layer, seq_ids, position_ids = self.call_context
+        b, t = Q.shape[0], Q.shape[2]
+        rows = seq_ids.view(-1).to(torch.int64) if self.continuous_batching else torch.arange(b, device=Q.device)
+        prior = kv_mgr.prior(layer, rows)
+        start = position_ids[:, 0].to(torch.int64)
+        q_pos = start.view(-1, 1) + torch.arange(t, device=Q.device).view(1, -1)
+        rank = self.group_rank()
+        iq, ik = (self._index[0], self._index[1].to(prior[0].dtype)) if self.sparse else (None, None)
+        act = sharded_step.chunk_active(K.to(prior[0].dtype), V.to(prior[1].dtype), ik, start, rank, self.group)
+        return sharded_step.rank_attention(Q, prior[0], prior[1], act, q_pos, start, rank, self.group_ops(), self.scale,
+                                           self.selection if self.sparse else None, iq,
+                                           prior[2] if self.sparse else None, _topk_fn())
 
 
 def _topk_fn():

@@ -9,6 +9,7 @@ already-derived values) gives the same config.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -114,6 +115,44 @@ def load_m3_config(path: str | Path):
     return config_hook(M3Config.from_pretrained(path), path)
 
 
+KV_LAYOUTS = ("sharded", "replicated")
+
+
+def kv_group(cfg) -> int:
+    """G, the ranks sharing one KV head's caches: ``sharding.kv_group_size`` with the sharded layout, else 1."""
+    if getattr(cfg, "kv_layout", KV_LAYOUTS[0]) != "sharded":
+        return 1
+    return sharding.kv_group_size(M3Config.from_fields(cfg.m3), cfg.neuron_config.tp_degree)
+
+
+def layout_problems(cfg) -> list[str]:
+    """What the sharded caches need of the lengths: G divides the index block (every rank holds block/G keys of
+    every block), every context bucket is a multiple of G (each rank writes its residue of a prefill call) and the
+    cache length and decode buckets whole multiples of lcm(block, G)."""
+    nc, c = cfg.neuron_config, M3Config.from_fields(cfg.m3)
+    if cfg.kv_layout not in KV_LAYOUTS:
+        return [f"kv_layout {cfg.kv_layout!r}: choose one of {list(KV_LAYOUTS)}"]
+    g = cfg.num_cores_per_group
+    if g == 1:
+        return []
+    from ..ops.sharded import LayoutError, check_layout
+
+    try:
+        check_layout(c.index_block_size, g)
+    except LayoutError as e:
+        return [f"kv_layout 'sharded': {e.problems[0]}; or kv_layout 'replicated'"]
+    out = []
+    cte = nc.context_encoding_buckets if nc.enable_bucketing and nc.context_encoding_buckets else \
+        [nc.max_context_length]
+    if [b for b in cte if b % g]:
+        out.append(f"kv_layout 'sharded' (G={g}): context-encoding buckets {sorted(cte)} must be multiples of {g}")
+    unit = math.lcm(c.index_block_size, g)
+    if nc.seq_len % unit:
+        out.append(f"kv_layout 'sharded' (G={g}): seq_len {nc.seq_len} must be a multiple of {unit} (lcm of the "
+                   f"index block and G): e.g. {-(-nc.seq_len // unit) * unit}")
+    return out
+
+
 class MiniMaxM3InferenceConfig(InferenceConfig):
     def m3_config(self) -> M3Config:
         return M3Config.from_fields(self.m3)
@@ -145,7 +184,12 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         self.pad_token_id = getattr(self, "pad_token_id", None) or 0
         self.bos_token_id, self.eos_token_id = c.bos_token_id, c.eos_token_id
         self.output_attentions, self.output_hidden_states, self.use_return_dict = False, False, True
-        self.num_cores_per_group = 1
+        # the KV caches' layout (issue 23): "sharded" splits each KV head's K/V and index-K caches over the G ranks
+        # that hold the head (token p on group rank p mod G); "replicated" keeps NxDI's GQA copies. NxD's
+        # ModelBuilder builds the KV group from num_cores_per_group (flash_decoding_enabled stays off: the port's
+        # attention and cache manager own the layout)
+        self.kv_layout = getattr(self, "kv_layout", None) or KV_LAYOUTS[0]
+        self.num_cores_per_group = kv_group(self)
 
         nc = self.neuron_config
         nc.glu_mlp, nc.glu_type = True, "swiglu"
@@ -188,6 +232,8 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
             problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
         tp = nc.tp_degree
         problems += sharding.model_problems(c, tp, nc.moe_ep_degree)
+        if not problems:
+            problems += layout_problems(self)
         # the buckets NxDI will build (its own when none are given; one of each length without bucketing)
         tkg = [b[-1] if isinstance(b, list) else b for b in generate_buckets_for_tkg(self)]
         cte = nc.context_encoding_buckets if nc.enable_bucketing else [nc.max_context_length]

@@ -1,4 +1,5 @@
-"""NxDI's KV cache manager extended with the persistent index-K cache of every sparse layer.
+"""NxDI's KV cache manager extended with the persistent index-K cache of every sparse layer and the sequence-sharded
+layout.
 
 The index-K tensors ``[batch, max_len, index_head_dim]`` (one per sparse layer) are appended to
 ``past_key_values`` after the 2·L K/V tensors. NxDI aliases every entry of ``kv_mgr.past_key_values`` in and
@@ -13,13 +14,20 @@ carried exactly like K and V. Layers receive ``past_key_value = [K, V, index_K]`
 * decode: row r for batch row r, slot ``position_ids[r]`` (NxDI's scatter when ``batch_size ==
   kv_cache_batch_size``, which ``validate_config`` requires);
 * reads take the rows NxDI's ``get_kv_by_layer_id`` takes (padding rows dropped).
+
+**Sharded layout** (``config.kv_layout == "sharded"`` and G = ``config.num_cores_per_group`` > 1 ranks per KV head,
+issue 23): every K/V and index-K line holds ``max_len / G`` slots, token ``p`` on group rank ``p mod G`` at slot
+``p div G`` (``ops.sharded``). A context-encoding call (a prefill chunk at ``start = position_ids[:, 0]``, a multiple
+of G; every call, whatever the layout, is written at its start so prompts can be prefilled in several calls) writes
+the rank's residue of its tokens at slots ``start/G ..`` of rows ``seq_ids`` (continuous batching) or ``0..B-1``; a
+decode step writes each row's token on the rank that owns its position (``ops.sharded.write_token``); reads slice a
+decode bucket ``b`` to ``b / G`` slots. :meth:`prior` hands the attention the rows' whole lines in context encoding.
 """
 
 from __future__ import annotations
 
 import torch
 from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager
-from neuronx_distributed_inference.modules.kvcache.utils import fill_prefix
 from torch import nn
 
 from .. import ops
@@ -27,21 +35,42 @@ from .. import ops
 
 class M3KVCacheManager(KVCacheManager):
     def __init__(self, config, *, num_kv_head, global_rank=None, **kwargs):
+        self.group = config.num_cores_per_group if getattr(config, "kv_layout", "replicated") == "sharded" else 1
         super().__init__(config, num_kv_head=num_kv_head, global_rank=global_rank, **kwargs)
         c = config.m3_config()
         self.num_layers = c.num_layers
         self.sparse_layers = [i for i in range(c.num_layers) if c.sparse_layers[i]]
         self.index_slot = {layer: j for j, layer in enumerate(self.sparse_layers)}
         batch = config.neuron_config.kv_cache_batch_size + config.neuron_config.kv_cache_padding_size
-        shape = (batch, config.neuron_config.max_length, c.index_head_dim)
+        shape = (batch, config.neuron_config.max_length // self.group, c.index_head_dim)
         for _ in self.sparse_layers:
             self.past_key_values.append(nn.Parameter(torch.zeros(shape, dtype=self.cache_dtype), requires_grad=False))
+
+    def _init_kv_shape(self, config, layer_to_cache_size_mapping=None):
+        super()._init_kv_shape(config, layer_to_cache_size_mapping)
+        if self.group > 1:  # [rows, heads, max_len / G, D]: the rank's residue of every line
+            self.k_shape = (*self.k_shape[:2], self.k_shape[2] // self.group, *self.k_shape[3:])
+            self.v_shape = (*self.v_shape[:2], self.v_shape[2] // self.group, *self.v_shape[3:])
+
+    def kv_lines(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V cache tensors of ``layer`` (``past_key_values[2 * layer]`` and ``[2 * layer + 1]``)."""
+        return self.past_key_values[2 * layer], self.past_key_values[2 * layer + 1]
 
     def index_k_cache(self, layer: int) -> torch.Tensor:
         return self.past_key_values[2 * self.num_layers + self.index_slot[layer]]
 
+    def prior(self, layer: int, rows: torch.Tensor) -> list[torch.Tensor]:
+        """The whole K, V (and index-K) lines of cache ``rows`` for a context-encoding call of ``layer``: what the
+        earlier calls of a chunked prefill wrote (read only; the attention masks slots past the call's start)."""
+        k, v = self.kv_lines(layer)
+        out = [k.index_select(0, rows), v.index_select(0, rows)]
+        if layer in self.index_slot:
+            out.append(self.index_k_cache(layer).index_select(0, rows))
+        return out
+
     def get_cache(self, seq_len: int, skip_slice=False, kvcache_buffer=None, seq_ids=None,
                   windowed_context_encoding_window_idx=-1, **kwargs):
+        seq_len //= self.group  # a decode bucket's slots on this rank
         out = []
         for idx in range(self.num_layers):
             k, v = self.get_kv_by_layer_id(idx=idx, skip_slice=skip_slice, seq_len=seq_len,
@@ -60,6 +89,10 @@ class M3KVCacheManager(KVCacheManager):
     def update_cache(self, is_for_context_encoding: bool, seq_ids, position_ids, new_key_values, seq_len: int,
                      scatter_index=None, kv_active_mask=None, kvcache_buffer=None,
                      windowed_context_encoding_window_idx: int = -1, **kwargs):
+        if is_for_context_encoding:
+            return self.write_call(seq_ids, position_ids, new_key_values)
+        if self.group > 1:
+            return self.write_tokens(position_ids, new_key_values)
         kv = [(layer[0], layer[1]) for layer in new_key_values]
         updated = super().update_cache(is_for_context_encoding, seq_ids, position_ids, kv, seq_len,
                                        scatter_index=scatter_index, kv_active_mask=kv_active_mask,
@@ -68,21 +101,58 @@ class M3KVCacheManager(KVCacheManager):
                                        **kwargs)
         for layer in self.sparse_layers:
             cache = self.index_k_cache(layer)
-            new = new_key_values[layer][2]  # [B, S_active, D]
-            if is_for_context_encoding and self.is_continuous_batching:
-                cache = _write_rows(cache, new.to(cache.dtype), seq_ids)
-            elif is_for_context_encoding:  # rows 0..B-1, slots 0..S-1 written in place, as NxDI writes K/V
-                cache = fill_prefix(cache, new.to(cache.dtype))
-            else:
-                cache = ops.write_positions(cache.clone(), new.to(cache.dtype), position_ids, seq_dim=1)
-            updated.append(cache)
+            new = new_key_values[layer][2]  # [B, 1, D]
+            updated.append(ops.write_positions(cache.clone(), new.to(cache.dtype), position_ids, seq_dim=1))
         return updated
 
+    def group_rank(self) -> torch.Tensor:
+        return torch.remainder(self.global_rank.get_rank(), self.group).to(torch.int64)
 
-def _write_rows(cache: torch.Tensor, new: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-    """``cache[seq_ids[b], 0:S] = new[b]``: the 3-D form of NxDI's ``update_cache_const_indices`` (the K/V
-    write under continuous batching): the position indices are constants, only the row offset is dynamic."""
-    b, s, _ = new.shape
-    rows = seq_ids.view(-1, 1).expand(b, s).to(torch.int32)
-    pos = torch.arange(s, dtype=torch.int32, device=new.device).view(1, -1).expand(b, s)
-    return torch.index_put(cache, (rows, pos), new)
+    def write_call(self, seq_ids, position_ids, new_key_values) -> list[torch.Tensor]:
+        """A context-encoding call of ``T`` tokens from ``start = position_ids[:, 0]``: the rank's residue (all
+        ``T`` with one rank per head) at slots ``start/G ..`` of rows ``seq_ids`` (continuous batching) or
+        ``0..B-1``."""
+        b = position_ids.shape[0]
+        rows = seq_ids.view(-1).to(torch.int64) if self.is_continuous_batching else \
+            torch.arange(b, device=position_ids.device)
+        rank = self.group_rank() if self.group > 1 else 0
+        start = position_ids[:, 0].to(torch.int64)
+        k_out, v_out, ik_out = [], [], []
+        for layer, new in enumerate(new_key_values):
+            k, v = self.kv_lines(layer)
+            k_out.append(_write_slots(k, _residue(new[0], rank, self.group, 2), rows, start // self.group, 2))
+            v_out.append(_write_slots(v, _residue(new[1], rank, self.group, 2), rows, start // self.group, 2))
+            if layer in self.index_slot:
+                ik = self.index_k_cache(layer)
+                ik_out.append(_write_slots(ik, _residue(new[2], rank, self.group, 1), rows, start // self.group, 1))
+        return [x for pair in zip(k_out, v_out) for x in pair] + ik_out
+
+    def write_tokens(self, position_ids, new_key_values) -> list[torch.Tensor]:
+        """Decode on the sharded layout: row r's token (cache row r) on the rank owning its position."""
+        pos, rank = position_ids[:, 0].to(torch.int64), self.group_rank()
+        kv, ik_out = [], []
+        for layer, new in enumerate(new_key_values):
+            k, v = self.kv_lines(layer)
+            kv += [ops.sharded.write_token(k.clone(), new[0], pos, rank, self.group, seq_dim=2),
+                   ops.sharded.write_token(v.clone(), new[1], pos, rank, self.group, seq_dim=2)]
+            if layer in self.index_slot:
+                ik = self.index_k_cache(layer)
+                ik_out.append(ops.sharded.write_token(ik.clone(), new[2], pos, rank, self.group, seq_dim=1))
+        return kv + ik_out
+
+
+def _residue(new: torch.Tensor, rank, group: int, seq_dim: int) -> torch.Tensor:
+    return new if group == 1 else ops.sharded_step.residue(new, rank, group, seq_dim)
+
+
+def _write_slots(cache: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, first: torch.Tensor,
+                 seq_dim: int) -> torch.Tensor:
+    """``cache[rows[b], ..., first[b] + i] = new[b, ..., i]`` along ``seq_dim`` (2 for K/V ``[R, H, S, D]``, 1 for
+    index-K ``[R, S, D]``): one scatter, rows and start dynamic (NxDI's ``update_cache_const_indices`` with an
+    offset)."""
+    b, n = new.shape[0], new.shape[seq_dim]
+    slots = first.view(b, 1) + torch.arange(n, device=new.device).view(1, n)
+    idx = (rows.view(b, 1).expand(b, n), slots)
+    if seq_dim == 1:
+        return torch.index_put(cache, idx, new.to(cache.dtype))
+    return torch.index_put(cache.transpose(1, 2), idx, new.transpose(1, 2).to(cache.dtype)).transpose(1, 2)

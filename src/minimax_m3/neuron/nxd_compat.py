@@ -48,6 +48,57 @@ def to_cpu(app) -> None:
         os.environ["WORLD_SIZE"] = world
 
 
+# ---- the KV group (sequence-sharded caches) ----------------------------------------------------------------------
+
+
+def kv_group(size: int):
+    """NxD's KV-shared process group of this rank: the ``size`` consecutive ranks that hold one KV head.
+
+    Targets NxD 0.18 (``parallel_layers/parallel_state.py``: ``initialize_kv_group`` / ``get_kv_shared_group``).
+    On device NxD's ``ModelBuilder.trace`` builds it when the config's ``num_cores_per_group > 1``
+    (``trace/model_builder.py``, with ``sequential_ranks_in_group=True``); NxDI's ``to_cpu`` never does, so in CPU
+    mode the first layer's call builds it (every rank runs the same layers in the same order, as ``new_group``
+    needs) and a model with another group size rebuilds it (NxD keeps one size per process)."""
+    from neuronx_distributed.parallel_layers import parallel_state as ps
+
+    try:
+        if ps.get_kv_shared_group_size() == size:
+            return ps.get_kv_shared_group()
+    except AssertionError:  # not initialised
+        pass
+    ps.destroy_kv_group()
+    ps.initialize_kv_group(size, sequential_ranks_in_group=True)
+    return ps.get_kv_shared_group()
+
+
+class KVGroupOps:
+    """``ops.sharded_step.Group`` over NxD's collective wrappers on the KV group (gloo in CPU mode, XLA
+    collectives on device).
+
+    Targets NxD 0.18 (``parallel_layers/mappings.py``: ``_gather_along_dim``, ``_reduce_scatter_along_dim``;
+    ``parallel_layers/comm.py``: ``all_reduce``): the public autograd wrappers only sum and take no max."""
+
+    def __init__(self, size: int):
+        self.size, self.group = size, kv_group(size)
+
+    def all_gather(self, x, dim):
+        from neuronx_distributed.parallel_layers import mappings
+
+        return mappings._gather_along_dim(x, dim, process_group=self.group)
+
+    def all_reduce_max(self, x):
+        from neuronx_distributed.parallel_layers import comm
+        from torch_xla.core import xla_model as xm
+
+        return comm.all_reduce(xm.REDUCE_MAX, x, groups=self.group)[0]  # in place in CPU mode: x is the caller's
+
+    def reduce_scatter(self, x, dim):
+        from neuronx_distributed.parallel_layers import mappings
+        from torch_xla.core import xla_model as xm
+
+        return mappings._reduce_scatter_along_dim(x, dim, computation=xm.REDUCE_SUM, process_group=self.group)
+
+
 # ---- MoE ------------------------------------------------------------------------------------------------------
 
 

@@ -104,8 +104,8 @@ def _heads(c: M3Config, heads: int, tp: int) -> int:
 
 
 def group_size(c: M3Config, tp: int) -> int:
-    """G: the ranks holding one KV head (``tp / num_kv_heads``; 1 when each rank holds whole KV heads)."""
-    return tp // c.num_kv_heads if tp > c.num_kv_heads else 1
+    """G: the ranks holding one KV head (``sharding.kv_group_size``)."""
+    return sharding.kv_group_size(c, tp)
 
 
 def cache_multiple(c: M3Config, tp: int, layout: str) -> int:
