@@ -1,6 +1,6 @@
 """``ops.sharded_step.rank_attention`` (the per-rank step the Neuron port runs on sequence-sharded caches) against the
 unsharded ops, every rank of a KV group run as a thread with a simulated group (barrier exchanges standing in for
-all-gather / all-reduce max / reduce-scatter).
+all-gather and all-to-all).
 
 Oracles: ``ops.decode_step`` (prior caches + active token) and ``ops.prefill_step(start=...)`` over the cache with the
 chunk written (both graded against transformers in test_decode_ops / test_prefill_chunks). Every rank's output must
@@ -51,11 +51,8 @@ class _Member:
     def all_gather(self, x, dim):
         return torch.cat(self._exchange(x, "all-gather"), dim=dim)
 
-    def all_reduce_max(self, x):
-        return torch.stack(self._exchange(x, "all-reduce max")).amax(dim=0)
-
-    def reduce_scatter(self, x, dim):
-        return sum(self._exchange(x, "reduce-scatter")).chunk(self.size, dim=dim)[self.i]
+    def exchange(self, x):
+        return torch.stack([part[self.i] for part in self._exchange(x, "all-to-all")])
 
 
 def _rand(*shape, seed, ints=False):
@@ -108,7 +105,7 @@ def test_decode_on_shards_equals_unsharded_decode(group, kind, ties):
     for i, out in enumerate(outs):
         torch.testing.assert_close(out, want[:, i * HL:(i + 1) * HL], **TOL)
     if group > 1:
-        assert tuple(calls) == tuple(c for c, _ in ss.COLLECTIVES["sparse" if sel else "dense"])
+        assert tuple(calls) == tuple(c for c, _ in ss.COLLECTIVES["sparse decode" if sel else "dense"])
 
 
 @pytest.mark.parametrize("kind", list(SELS))
@@ -135,9 +132,11 @@ def test_a_chunk_on_shards_equals_the_unsharded_prefill_of_the_written_cache(gro
         return ss.rank_attention(q[:, i * HL:(i + 1) * HL], k_sh[i], v_sh[i], act, q_pos, starts, torch.tensor(i),
                                  member, 0.25, sel, iq, ik_sh[i])
 
-    outs, _ = _run(group, rank)
+    outs, calls = _run(group, rank)
     for i, out in enumerate(outs):
         torch.testing.assert_close(out, want[:, i * HL:(i + 1) * HL], **TOL)
+    if group > 1:
+        assert tuple(calls) == tuple(c for c, _ in ss.COLLECTIVES["sparse prefill" if sel else "dense"])
 
 
 def test_dense_prefill_is_tiled_by_queries_with_the_same_result(monkeypatch):

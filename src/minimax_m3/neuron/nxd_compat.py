@@ -72,11 +72,12 @@ def kv_group(size: int):
 
 
 class KVGroupOps:
-    """``ops.sharded_step.Group`` over NxD's collective wrappers on the KV group (gloo in CPU mode, XLA
-    collectives on device).
+    """``ops.sharded_step.Group`` on the KV group: NxD's all-gather wrapper, and an all-to-all NxD has only for its
+    expert-parallel group (and without a CPU branch): ``torch.distributed.all_to_all_single`` on gloo in CPU mode,
+    ``xm.all_to_all`` over the group's replica groups on device.
 
-    Targets NxD 0.18 (``parallel_layers/mappings.py``: ``_gather_along_dim``, ``_reduce_scatter_along_dim``;
-    ``parallel_layers/comm.py``: ``all_reduce``): the public autograd wrappers only sum and take no max."""
+    Targets NxD 0.18 (``parallel_layers/mappings.py``: ``_gather_along_dim``, and
+    ``_all_to_all_in_expert_parallel_region``, whose ``xm.all_to_all`` call this mirrors on the KV group)."""
 
     def __init__(self, size: int):
         self.size, self.group = size, kv_group(size)
@@ -86,17 +87,18 @@ class KVGroupOps:
 
         return mappings._gather_along_dim(x, dim, process_group=self.group)
 
-    def all_reduce_max(self, x):
-        from neuronx_distributed.parallel_layers import comm
+    def exchange(self, x):
+        from neuronx_distributed.parallel_layers import parallel_state as ps
+        from neuronx_distributed.utils import cpu_mode
+
+        if cpu_mode():
+            out = torch.empty_like(x)
+            torch.distributed.all_to_all_single(out, x.contiguous(), group=self.group)
+            return out
         from torch_xla.core import xla_model as xm
 
-        return comm.all_reduce(xm.REDUCE_MAX, x, groups=self.group)[0]  # in place in CPU mode: x is the caller's
-
-    def reduce_scatter(self, x, dim):
-        from neuronx_distributed.parallel_layers import mappings
-        from torch_xla.core import xla_model as xm
-
-        return mappings._reduce_scatter_along_dim(x, dim, computation=xm.REDUCE_SUM, process_group=self.group)
+        return xm.all_to_all(x, split_dimension=0, concat_dimension=0, split_count=self.size,
+                             groups=ps.get_kv_shared_group(as_list=True), pin_layout=False)
 
 
 # ---- MoE ------------------------------------------------------------------------------------------------------

@@ -13,14 +13,17 @@ multiple of ``G``) or one token per row at ``q_pos`` (decode, ``start = q_pos``)
 Every rank of the group computes the call's K/V/index-K for all ``T`` tokens (NxDI replicates the KV head over the
 group), keeps its residue and so reads ``1/G`` of every block.
 
-**Step** (:func:`rank_attention`), per layer: all-gather of the group's query heads (each rank then attends ``R = G x
-local heads``, the heads sharing each gathered block); sparse layers: partial block scores over the rank's prior and
-active index keys, the local top-k candidates all-gathered (score and id in one float32 buffer) and merged exactly
-(``ops.sharded.merge_candidates``, lower id wins ties); the partial softmax over the rank's keys of the selected blocks
-(prior: one gather of ``K x block/G`` keys per query; active: the call's residue, masked to the selected blocks); the
-group's maximum (all-reduce max) and a reduce-scatter of the rescaled numerators with the denominators appended, so
-each rank receives its own heads' exact attention. Collectives per layer: 4 sparse, 3 dense (``COLLECTIVES``).
-With ``G = 1`` (the replicated layout, or a prefill chunk at TP <= KV heads) the group ops are identities.
+**Step** (:func:`rank_attention`), per layer: sparse layers first score the rank's prior and active index keys per
+block and keep their local top-k candidates (no query heads needed); an all-gather brings every rank the group's
+query heads (each rank then attends ``R = G x local heads``, the heads sharing each gathered block) and, sparse, the
+group's candidates, merged exactly (``ops.sharded.merge_candidates``, lower id wins ties) — in decode ONE all-gather
+carries both (queries widened to float32, ids as float32: exact below 2**24 blocks); the partial softmax over the
+rank's keys of the selected blocks (prior: one gather of ``K x block/G`` keys per query; active: the call's residue,
+masked to the selected blocks); then ONE all-to-all by head hands each rank every rank's partial output, maximum and
+sum for its own heads, merged by log-sum-exp (``ops.sharded.combine``). Collectives per layer (``COLLECTIVES``):
+2 in decode, 3 in a sparse prefill call (query heads and candidates gathered apart: the queries stay in their
+dtype), 2 in a dense one. With ``G = 1`` (the replicated layout, or a prefill chunk at TP <= KV heads) the group ops
+are identities.
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ from typing import Protocol
 import torch
 
 from .indexer import index_block_scores
-from .sharded import _partial_softmax, _rank, last_slot, local_candidates, merge_candidates
+from .sharded import _partial_softmax, _rank, combine, last_slot, local_candidates, merge_candidates
 
-# what one layer adds per step, in order (kind, payload): the graph report lists these
+# what one layer adds per call, in order (kind, payload): the graph report lists these
+_MERGE = ("all-to-all", "partial outputs + softmax max and sum by head (f32)")
 COLLECTIVES = {
-    "sparse": (("all-gather", "query heads"), ("all-gather", "selection candidates (f32 score, id)"),
-               ("all-reduce max", "softmax maxima (f32)"), ("reduce-scatter", "numerators + denominator (f32)")),
-    "dense": (("all-gather", "query heads"), ("all-reduce max", "softmax maxima (f32)"),
-              ("reduce-scatter", "numerators + denominator (f32)")),
+    "sparse decode": (("all-gather", "query heads + selection candidates (f32)"), _MERGE),
+    "sparse prefill": (("all-gather", "query heads"), ("all-gather", "selection candidates (f32 score, id)"), _MERGE),
+    "dense": (("all-gather", "query heads"), _MERGE),
 }
 # score elements one query tile may hold (float32: 64 MiB): dense prefill over a long prior is tiled by queries
 TILE_ELEMENTS = 2 ** 24
@@ -49,11 +52,12 @@ class Group(Protocol):
 
     size: int
 
-    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, in group order."""
 
-    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """All-to-all along dim 0: ``x [G, ...]``, part ``j`` for group rank ``j``; returns ``y [G, ...]`` with
+        ``y[j]`` the part rank ``j`` sent this rank."""
 
 
 class Alone:
@@ -64,10 +68,7 @@ class Alone:
     def all_gather(self, x, dim):
         return x
 
-    def all_reduce_max(self, x):
-        return x
-
-    def reduce_scatter(self, x, dim):
+    def exchange(self, x):
         return x
 
 
@@ -182,19 +183,6 @@ def _sparse(q, k, v, act: Active, act_keep, limit, blocks, per, block_size, scal
             total.transpose(2, 3).reshape(b, hq, t))
 
 
-def numerators(out: torch.Tensor, top: torch.Tensor, total: torch.Tensor, group_max: torch.Tensor) -> torch.Tensor:
-    """``[B, Hq, T, D + 1]`` float32: the rank's output rescaled to the group's maximum, its denominator appended
-    (summed over the group, ``x[..., :D] / x[..., D:]`` is the attention: the log-sum-exp merge)."""
-    w = (torch.exp(top - torch.where(group_max == float("-inf"), 0.0, group_max)) * total).unsqueeze(-1)
-    return torch.cat([out.float() * w, w], dim=-1)
-
-
-def finish(summed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The attention from the group's summed :func:`numerators`."""
-    den = summed[..., -1:]
-    return (summed[..., :-1] / torch.where(den > 0, den, 1.0)).to(dtype)
-
-
 def rank_attention(q_local: torch.Tensor, k_prior: torch.Tensor, v_prior: torch.Tensor, act: Active,
                    q_pos: torch.Tensor, start: torch.Tensor, rank, group: Group, scale: float, sel=None,
                    iq: torch.Tensor | None = None, ik_prior: torch.Tensor | None = None,
@@ -205,18 +193,31 @@ def rank_attention(q_local: torch.Tensor, k_prior: torch.Tensor, v_prior: torch.
     ``sel`` (an ``ops.Selection``) with the group's index queries ``iq [B, H, T, Di]`` (the same on every rank of the
     group) and the prior index keys ``ik_prior [B, S/G, Di]`` makes the layer sparse; a line of at most ``topk``
     blocks is attended densely (the indexer would select every block)."""
-    g = group.size
-    q = group.all_gather(q_local, 1)  # [B, G * Hl, T, D]: the group's heads, in rank order
-    blocks = None
+    g, (b, hl, t, d) = group.size, q_local.shape
     nblk = k_prior.shape[2] * g // sel.block_size if sel is not None else 0
+    cands = None
     if sel is not None and nblk > sel.topk:
         partial = block_scores(iq, ik_prior, act, q_pos, start, sel.block_size, rank, g)
         scores, ids = local_candidates(partial, q_pos, sel.block_size, sel.topk, sel.init_blocks, sel.local_blocks,
                                        topk_fn)
-        cands = group.all_gather(torch.stack([scores, ids.float()], dim=-1).unsqueeze(0), 0)
+        cands = torch.stack([scores, ids.float()], dim=-1)  # [B, H, T, K, 2]
+    if cands is not None and t == 1:  # decode: one all-gather carries the query heads and the candidates
+        h, kk = cands.shape[1], cands.shape[3]
+        packed = torch.cat([q_local.float().transpose(1, 2).reshape(b, t, hl * d),
+                            cands.transpose(1, 2).reshape(b, t, h * kk * 2)], dim=-1)
+        got = group.all_gather(packed.unsqueeze(0), 0)  # [G, B, T, W]
+        q = got[..., :hl * d].reshape(g, b, t, hl, d).permute(1, 0, 3, 2, 4).reshape(b, g * hl, t, d)
+        q = q.to(q_local.dtype)
+        cands = got[..., hl * d:].reshape(g, b, t, h, kk, 2).transpose(2, 3)  # [G, B, H, T, K, 2]
+    else:
+        q = group.all_gather(q_local, 1)  # [B, G * Hl, T, D]: the group's heads, in rank order
+        if cands is not None:
+            cands = group.all_gather(cands.unsqueeze(0), 0)
+    blocks = None
+    if cands is not None:
         blocks = merge_candidates(cands[..., 0], cands[..., 1].to(torch.int64), nblk, sel.topk, topk_fn)
     out, top, total = partial_attention(q, k_prior, v_prior, act, q_pos, start, rank, g, scale, blocks,
                                         None if sel is None else sel.block_size)
-    group_max = group.all_reduce_max(top.clone())
-    mine = group.reduce_scatter(numerators(out, top, total, group_max), 1)
-    return finish(mine, q_local.dtype)
+    part = torch.cat([out.float(), top.unsqueeze(-1), total.unsqueeze(-1)], dim=-1)  # [B, G * Hl, T, D + 2]
+    got = group.exchange(part.view(b, g, hl, t, d + 2).transpose(0, 1).contiguous())  # [G, B, Hl, T, D + 2]
+    return combine(got[..., :d], got[..., d], got[..., d + 1]).to(q_local.dtype)
