@@ -17,7 +17,7 @@ from neuronx_distributed_inference.modules.autobucketing import generate_buckets
 
 from ..config import sharding
 from ..config.m3 import M3Config
-from ..engine.spec import bucket_problems, chunk_problems, context_buckets
+from ..engine.buckets import bucket_problems, chunk_problems, context_buckets
 from ..errors import ServingError
 
 log = logging.getLogger(__name__)
