@@ -21,15 +21,21 @@ CHUNK = 32
 
 @pytest.fixture(scope="module")
 def engines(tiny_ckpt):
-    one, chunked = (ReferenceEngine.from_pretrained(tiny_ckpt, device="cpu", dtype="float32", max_seq_len=1024)
-                    for _ in range(2))
-    chunked.provider.prefill_chunk = CHUNK
-    return one, chunked
+    """The one-call engine (the spec's default chunk) and the chunked one, through ``EngineSpec.prefill_chunk``."""
+    from minimax_m3.engine.spec import EngineSpec
+    from minimax_m3.load import load_engine
+
+    def load(**kw):
+        return load_engine(EngineSpec(str(tiny_ckpt), device="cpu", dtype="float32", max_seq_len=1024, **kw))
+
+    return load(), load(prefill_chunk=CHUNK)
 
 
-def test_default_call_size_is_whole_blocks_and_one_call_for_these_prompts(engines):
-    one, _ = engines
-    assert one.provider.prefill_chunk == 8192 and one.provider.prefill_chunk % one.config.index_block_size == 0
+def test_the_call_size_comes_from_the_spec(engines):
+    one, chunked = engines
+    assert one.spec.prefill_chunk == one.provider.prefill_chunk == 8192  # default: ops.call_tokens, whole blocks
+    assert one.provider.prefill_chunk % one.config.index_block_size == 0
+    assert chunked.spec.prefill_chunk == chunked.provider.prefill_chunk == CHUNK
 
 
 @pytest.mark.parametrize("length", [100, 160])
@@ -71,7 +77,5 @@ def test_batch_of_ragged_prompts_then_decode(engines, hf_tiny):
 
 def test_a_call_size_the_layout_cannot_use_names_the_sizes_that_work(tiny_ckpt, engines):
     _, chunked = engines
-    bad = ReferenceEngine(chunked.model)
-    bad.provider.prefill_chunk = 40
-    with pytest.raises(M3Error, match=r"multiple of 16.*\[32, 48\]"):
-        bad.prefill_logits([random_ids(100, seed=1)])
+    with pytest.raises(M3Error, match=r"multiple of 16.*\[32, 48\]: set --prefill-chunk"):
+        ReferenceEngine(chunked.model, prefill_chunk=40)  # refused by the spec, before any prefill

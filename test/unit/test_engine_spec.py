@@ -91,7 +91,7 @@ def test_artifact_dir_is_named_by_every_field_that_changes_the_neffs():
                 context_buckets=(128, 256, 512, 1024, 2048, 4096, 8192), continuous_batching=True) == base
     changed = dict(tp=32, ep=32, lnc=1, dtype="float32", max_batch=4, max_seq_len=4096, max_context_len=4096,
                    context_buckets=(1024, 8192), token_buckets=(4096, 8192), continuous_batching=False,
-                   all_logits=True, on_device_sampling=True, weights="fp8")
+                   all_logits=True, on_device_sampling=True, weights="fp8", prefill_chunk=4096)
     assert set(changed) == set(ARTIFACT_FIELDS)
     dirs = {_dir(**{"max_seq_len": 8192, "max_batch": 8, **{k: v}}) for k, v in changed.items()}
     assert base not in dirs and len(dirs) == len(changed)
@@ -163,3 +163,72 @@ def test_bucket_rules_one_home_for_the_spec_and_nxdi():
     spec = EngineSpec("m", backend="neuron", max_seq_len=512, max_context_len=256, context_buckets=(128,),
                       token_buckets=(64, 256))
     assert [p for p in spec.problems(TINY) if "bucket" in p] == short
+
+
+def test_prefill_chunk_defaults_one_rule_for_the_spec_and_the_planner():
+    """Reference: ``ops.call_tokens`` (8192 in whole blocks) whatever the context. Neuron: the longest prompt rounded
+    up to whole ``lcm(block, G)`` units when that is at most 8192 (one call per prompt, as before chunking), else 8192;
+    the default context buckets end at the chunk; the planner's first candidate is the same number."""
+    from minimax_m3.planner import chunk_choices
+
+    assert EngineSpec("m", device="cpu", max_seq_len=300).resolve(TINY).prefill_chunk == 8192
+    assert EngineSpec("m", device="cpu").resolve().prefill_chunk is None  # no model: nothing to round to
+    cases = [  # (config, tp, max_seq_len, max_context_len) -> (chunk, context buckets)
+        ((M3, 64, 8192, None), (8192, (128, 256, 512, 1024, 2048, 4096, 8192))),
+        ((M3, 64, 1 << 20, None), (8192, (128, 256, 512, 1024, 2048, 4096, 8192))),
+        ((M3, 64, 8192, 5000), (5120, (128, 256, 512, 1024, 2048, 4096, 5000))),  # bucket 5000: NxDI's cap
+        ((TINY, 1, 128, 100), (112, (100,))),
+    ]
+    for (c, tp, seq, ctx), (chunk, buckets) in cases:
+        s = EngineSpec("m", backend="neuron", tp=tp, max_seq_len=seq, max_context_len=ctx).resolve(c)
+        assert (s.prefill_chunk, s.context_buckets, s.max_context_len) == (chunk, buckets, ctx or seq)
+        assert chunk_choices(c, tp, ctx or seq)[0] == chunk
+    # an explicit chunk: buckets end at it, and the largest bucket no longer caps the prompt
+    s = EngineSpec("m", backend="neuron-cpu", max_seq_len=128, prefill_chunk=32).resolve(TINY)
+    assert (s.prefill_chunk, s.context_buckets, s.max_context_len) == (32, (32,), 128)
+    s = EngineSpec("m", backend="neuron-cpu", max_seq_len=128, prefill_chunk=32, context_buckets=(16, 32)).resolve(TINY)
+    assert (s.context_buckets, s.max_context_len) == ((16, 32), 128)
+    assert not [p for p in s.problems(TINY) if "chunk" in p or "bucket" in p]
+
+
+def test_prefill_chunk_refusals_name_the_sizes_that_work(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())  # NxDI "importable": only our rules
+
+    def problems(backend="neuron-cpu", config=TINY, **kw):
+        return [p for p in EngineSpec("m", backend=backend, **kw).problems(config) if "chunk" in p]
+
+    assert problems(max_seq_len=128, max_context_len=112, prefill_chunk=32) == []
+    assert problems(max_seq_len=128, prefill_chunk=40) == [
+        "prefill chunk of 40 tokens: it must be a multiple of 16 (the lcm of the index block, 16, and the KV group "
+        "size, 1); nearest that work: [32, 48]: set --prefill-chunk (vLLM: prefill_chunk in override_neuron_config) "
+        "to one of them"]
+    assert problems("neuron", M3, tp=64, max_seq_len=8192, prefill_chunk=1000)[0].startswith(
+        "prefill chunk of 1000 tokens: it must be a multiple of 128 (the lcm of the index block, 128, and the KV group "
+        "size, 16); nearest that work: [896, 1024]")
+    assert problems("reference", device="cpu", prefill_chunk=40)[0].startswith("prefill chunk of 40 tokens")
+    assert problems(max_seq_len=128, prefill_chunk=0) == ["prefill_chunk (--prefill-chunk) must be >= 1, got 0"]
+    assert problems(max_seq_len=128, prefill_chunk=32, context_buckets=(32, 64)) == [
+        "context-encoding buckets [64] exceed prefill_chunk 32: drop them or raise --prefill-chunk (vLLM: "
+        "prefill_chunk in override_neuron_config)"]
+    assert problems(max_seq_len=128, prefill_chunk=32, context_buckets=(16,)) == [
+        "the largest context-encoding bucket 16 is below prefill_chunk 32, so a whole chunk would fit no bucket: add "
+        "32 to --context-buckets (vLLM: context_encoding_buckets) or lower --prefill-chunk (vLLM: prefill_chunk in "
+        "override_neuron_config) to 16"]
+    # the last call of a 112-token prompt starts at 96 and is written 32 wide (NxDI pads it to its bucket)
+    assert problems(max_seq_len=112, max_context_len=112, prefill_chunk=32) == [
+        "prompts of up to max_context_len 112 tokens are prefilled in calls of prefill_chunk 32, the last one written "
+        "up to position 127, past the cache of max_seq_len 112: raise --max-seq-len to 128 or lower --max-context-len "
+        "to 96"]
+    with pytest.raises(SpecError, match="nearest that work"):
+        EngineSpec("m", device="cpu", prefill_chunk=24).validate(TINY)
+
+
+def test_prefill_chunk_is_an_engine_option_of_every_command():
+    p = build_parser()
+    runs = [["compile", *ENGINE_OPTS], ["generate", "--backend", "neuron", "--prompt-ids", "1", *ENGINE_OPTS],
+            ["golden", "--backend", "neuron", "--prompts", "p", "--out", "o", *ENGINE_OPTS],
+            ["longbench", "--backend", "neuron", "--data", "d", "--out", "o", *ENGINE_OPTS]]
+    for argv in runs:
+        assert spec_from_args(p.parse_args(argv)).prefill_chunk is None  # the backend's default
+        assert spec_from_args(p.parse_args([*argv, "--prefill-chunk", "2048"])).prefill_chunk == 2048
+    assert spec_from_kwargs("m", "neuron-cpu", prefill_chunk=32).prefill_chunk == 32

@@ -6,10 +6,10 @@ import pytest
 
 from minimax_m3.config import M3Config
 from minimax_m3.planner import (COLLECTIVE_LATENCY_S, GIB, LINK_BYTES_PER_S, PEAK_FLOPS_PER_S, PORT_LAYOUT,
-                                ChunkError, FitError, PlanError, cache_bytes, chunk_bytes, chunk_flops, collectives,
-                                decode_floor_ms, decode_minimum_bytes, largest_batch, largest_context, link_seconds,
-                                main, moe_bytes, plan, prefill_flops, prefill_persistent_bytes, require_fit,
-                                sharded_attention_bytes, ttft, weight_bytes)
+                                ChunkError, FitError, PlanError, cache_bytes, chunk_bytes, chunk_choices, chunk_flops,
+                                collectives, decode_floor_ms, decode_minimum_bytes, largest_batch, largest_context,
+                                link_seconds, main, moe_bytes, plan, prefill_flops, prefill_persistent_bytes,
+                                require_fit, sharded_attention_bytes, ttft, weight_bytes)
 from minimax_m3.planner.fit import _largest
 
 M3 = M3Config.preset("m3")
@@ -78,8 +78,11 @@ def test_sharded_prefill_working_memory_by_hand():
     assert sum(far.values()) - sum(got.values()) == 32 * 100 * 4
 
 
-def test_default_chunk_is_the_largest_power_of_two_that_fits():
-    assert plan(TINY, TP, EP, 2, 100, layout="sharded").chunk == 64  # 16 x 2^j <= the 112-token bucket
+def test_default_chunk_is_the_bucket_or_the_largest_power_of_two_that_fits():
+    assert plan(TINY, TP, EP, 2, 100, layout="sharded").chunk == 112  # the bucket: one call per prompt
+    assert chunk_choices(TINY, TP, 100) == [112, 64, 32, 16]  # then 16 x 2^j <= the bucket
+    assert chunk_choices(M3, 64, 131200) == [8192, 4096, 2048, 1024, 512, 256, 128]  # bucket 131200 > the cap
+    assert chunk_choices(M3, 64, 5000) == [5120, 4096, 2048, 1024, 512, 256, 128]
     assert plan(M3, 64, 64, 1, 1 << 20, layout="sharded").chunk == 8192  # the cap
     assert plan(M3, 64, 64, 1, 4096, layout="sharded").chunk == 4096  # the bucket
     # HBM for exactly the 4096-token call: 8192 no longer fits, so 4096 is chosen

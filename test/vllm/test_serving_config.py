@@ -73,6 +73,24 @@ def test_trn2_serving_split_tp64_ep64_is_accepted(nxdi, tmp_path):
     assert (nc.tp_degree, nc.moe_tp_degree, nc.moe_ep_degree) == (64, 1, 64)
 
 
+def test_a_prefill_chunk_in_the_override_serves_prompts_longer_than_its_buckets(nxdi, tmp_path):
+    """``--max-model-len 64`` with ``prefill_chunk`` 32 (issue 23): the context buckets end at the chunk (given, or
+    the spec's default buckets when none are), saved with the config; a chunk the layout cannot use is refused."""
+    d = vllm_neuron_dict(override={**CPU, "context_encoding_buckets": [16, 32], "token_generation_buckets": [64],
+                                   "prefill_chunk": 32})
+    cfg = build(d, _release_dir(tmp_path))
+    assert (cfg.prefill_chunk, cfg.neuron_config.max_context_length) == (32, 64)
+    assert json.loads(cfg.to_json_string())["neuron_config"]["prefill_chunk"] == 32
+    nc = build(vllm_neuron_dict(override={**CPU, "token_generation_buckets": [64], "prefill_chunk": 32}),
+               _release_dir(tmp_path)).neuron_config
+    assert nc.context_encoding_buckets == [32]
+    assert build(vllm_neuron_dict(override={**CPU, **TINY_BUCKETS}), _release_dir(tmp_path)).prefill_chunk == 64
+    with pytest.raises(ValueError, match=r"prefill chunk of 24 tokens.*\[16, 32\].*prefill_chunk in "
+                                         "override_neuron_config"):
+        build(vllm_neuron_dict(override={**CPU, "context_encoding_buckets": [24], "token_generation_buckets": [64],
+                                         "prefill_chunk": 24}), _release_dir(tmp_path))
+
+
 @pytest.mark.parametrize("settings, flag", [
     ({"prefix_caching": True}, "--no-enable-prefix-caching"),
     ({"chunked_prefill": True, "override": {"chunked_prefill_config": {"max_num_seqs": 4}}},

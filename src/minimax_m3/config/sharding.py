@@ -6,15 +6,25 @@ Layout (NxD's, which the reference follows): query heads split over the ``tp`` r
 heads, one per KV head) split when there are at least ``tp`` of them, else each is replicated on ``tp / heads``
 ranks; ``ep`` groups of ``moe_tp = tp / ep`` ranks each hold ``num_experts / ep`` experts, whose intermediate width
 splits over the group's ``moe_tp`` ranks; dense MLPs and the shared expert split over all ``tp`` ranks.
-"""
+
+Prefill chunk (issue 23): a neuron prompt is prefilled in calls of at most C tokens, each attending to the cache the
+earlier calls wrote. C is a multiple of ``lcm(index block, G)`` (:func:`chunk_unit`; G = :func:`kv_group_size`, the
+ranks sharing one KV head: the sequence-sharded caches put C / G tokens of a call on each of them, and the next call
+starts on a block boundary; ``ops.sharded.check_chunk`` refuses other sizes). The default
+(:func:`default_prefill_chunk`: the engine spec's for the neuron backends, vLLM's when its config names none, the
+planner's first candidate) is the context rounded up to whole units when that is at most :data:`MAX_PREFILL_CHUNK`
+tokens (one call per prompt), else the largest power-of-two multiple of the unit up to it. """
 
 from __future__ import annotations
+
+import math
 
 from .m3 import M3Config
 
 # trn2.48xlarge: 64 logical NeuronCores (LNC 2: two physical cores each), experts over all 64 ranks (one expert-TP
 # rank per group); the neuron backend's default layout and the planner's
 TRN2 = {"tp": 64, "ep": 64, "lnc": 2}
+MAX_PREFILL_CHUNK = 8192  # the default prefill chunk's cap (tokens per call): what one context-encoding graph holds
 
 
 def heads_per_rank(heads: int, tp: int) -> int:
@@ -29,6 +39,26 @@ def kv_group_size(c: M3Config, tp: int) -> int:
     """G: the ranks holding one KV head (``tp / num_kv_heads``; 1 when each rank holds whole KV heads). With the
     sequence-sharded caches they split its K/V and index-K caches (token ``p`` on group rank ``p mod G``)."""
     return tp // c.num_kv_heads if tp > c.num_kv_heads else 1
+
+
+def chunk_unit(c: M3Config, tp: int) -> int:
+    """What a prefill chunk is a multiple of: ``lcm(index block, G)``."""
+    return math.lcm(c.index_block_size, kv_group_size(c, tp))
+
+
+def prefill_chunk_choices(c: M3Config, tp: int, context: int, cap: int = MAX_PREFILL_CHUNK) -> list[int]:
+    """Prefill chunks for prompts of up to ``context`` tokens, largest first: the context rounded up to a multiple of
+    :func:`chunk_unit` when that is at most ``cap``, then the unit times powers of two up to both (the planner keeps
+    the largest whose working memory fits)."""
+    m = chunk_unit(c, tp)
+    whole = -(-max(context, 1) // m) * m
+    pow2 = [m << j for j in range(64) if m << j <= min(cap, whole)][::-1] or [m]
+    return ([whole] if whole <= cap else []) + [n for n in pow2 if n != whole]
+
+
+def default_prefill_chunk(c: M3Config, tp: int, context: int) -> int:
+    """The default prefill chunk (module doc): the first of :func:`prefill_chunk_choices`."""
+    return prefill_chunk_choices(c, tp, context)[0]
 
 
 def moe_tp(tp: int, ep: int) -> int:

@@ -1,8 +1,9 @@
 """``EngineSpec``: one typed description of an engine to load (backend, model, lengths, batch, layout, buckets,
 compiled artifacts), its per-backend defaults, its validation and the command-line options that build it.
 
-A leaf module (imports only the standard library, torch lazily, and :mod:`minimax_m3.config`): the engine, the
-backends and every command read it. Defaults are resolved in one place, :meth:`EngineSpec.resolve`.
+A leaf module (imports only the standard library, :mod:`minimax_m3.config` and the bucket and chunk rules of
+:mod:`.buckets`, re-exported here; torch and ``ops`` lazily, where a spec is resolved or checked against a model): the
+engine, the backends and every command read it. Defaults are resolved in one place, :meth:`EngineSpec.resolve`.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from ..config import sharding
 from .._atomic import write_atomic
 from ..config.m3 import ConfigError, M3Config
 from ..errors import M3Error
+from .buckets import (  # noqa: F401  (re-exported: compile, neuron.config and the tests import them from here)
+    DEFAULT_CONTEXT_BUCKETS, bucket_problems, chunk_problems, context_buckets, default_buckets, token_buckets,
+)
 
 BACKENDS = ("reference", "neuron", "neuron-cpu")
 DTYPES = ("float32", "bfloat16")
-# prefill buckets: powers of two from 128, cut below the context length, which is added (NxDI's generate_buckets)
-DEFAULT_CONTEXT_BUCKETS = tuple(2 ** i for i in range(7, 21))
 ARTIFACT_FILE = "minimax-m3-spec.json"  # in a compiled directory: the artifact key it was built for
 # the fields that change the compiled NEFFs (and so name the artifact directory)
 ARTIFACT_FIELDS = ("tp", "ep", "lnc", "dtype", "max_batch", "max_seq_len", "max_context_len", "context_buckets",
-                   "token_buckets", "continuous_batching", "all_logits", "on_device_sampling", "weights")
+                   "token_buckets", "continuous_batching", "all_logits", "on_device_sampling", "weights",
+                   "prefill_chunk")
 # artifact fields added after records were first written: a record without one was compiled with this value
 _RECORD_DEFAULTS = {"weights": "bf16"}
 WEIGHTS = ("bf16", "fp8")
@@ -48,57 +51,6 @@ def _neuron(backend: str) -> bool:
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
-def default_buckets(limit: int, candidates) -> list[int]:
-    """``candidates`` below ``limit``, then ``limit`` itself."""
-    return sorted({b for b in candidates if b < limit} | {limit})
-
-
-def context_buckets(max_context_len: int) -> list[int]:
-    """The default context-encoding (prefill) buckets for prompts of up to ``max_context_len`` tokens."""
-    return default_buckets(max_context_len, DEFAULT_CONTEXT_BUCKETS)
-
-
-def token_buckets(seq_len: int, block_size: int) -> list[int]:
-    """The default decode buckets: ``block_size`` times powers of two from the first multiple of it >= 128 (NxDI's
-    smallest token-generation bucket), those below ``seq_len``, and ``seq_len``: every one a multiple of the
-    indexer block when ``seq_len`` is."""
-    out, b = [], block_size * -(-128 // block_size)
-    while b < seq_len:
-        out.append(b)
-        b *= 2
-    return out + [seq_len]
-
-
-# the bucket rules' names: what, the length it serves, the options (engine; vLLM) that set buckets and length
-_BUCKETS = (("context-encoding", "max_context_len", "--context-buckets (vLLM: context_encoding_buckets)",
-             "--max-context-len (vLLM: --max-model-len)"),
-            ("token-generation", "max_seq_len", "--token-buckets (vLLM: token_generation_buckets)",
-             "--max-seq-len (vLLM: --max-model-len)"))
-
-
-def bucket_problems(context_buckets, token_buckets, max_context_len: int, max_seq_len: int,
-                    config: M3Config | None = None) -> list[str]:
-    """The rules a neuron build's buckets follow, one home (the spec's checks and NxDI's ``validate_config``, which
-    vLLM's configs pass through): each kind of bucket within its length and the largest reaching it (a longer
-    request would fit no bucket), decode buckets whole indexer blocks (``config``'s). ``None``: no buckets given."""
-    out = []
-    for (what, length, option, length_option), buckets, limit in zip(
-            _BUCKETS, (context_buckets, token_buckets), (max_context_len, max_seq_len)):
-        buckets = sorted(buckets or ())
-        if [b for b in buckets if b > limit]:
-            out.append(f"{what} buckets {[b for b in buckets if b > limit]} exceed {length} {limit}: drop them or "
-                       f"raise {length_option}")
-        elif buckets and buckets[-1] < limit:
-            out.append(f"the largest {what} bucket {buckets[-1]} is below {length} {limit}, so a longer request "
-                       f"would fit no bucket: add {limit} to {option} or lower {length_option} to {buckets[-1]}")
-    tkg = sorted(token_buckets or ())
-    if config is not None and any(config.sparse_layers) and [b for b in tkg if b % config.index_block_size]:
-        out.append(f"token-generation buckets {tkg} must be multiples of index_block_size {config.index_block_size} "
-                   "(sparse decode reads the caches by whole blocks): choose such --token-buckets and --max-seq-len "
-                   "(vLLM: token_generation_buckets and --max-model-len)")
-    return out
 
 
 @dataclass(frozen=True)
@@ -123,6 +75,7 @@ class EngineSpec:
     all_logits: bool | None = None  # neuron: prefill returns every position's logits (default: on in CPU mode)
     on_device_sampling: bool = False  # neuron: decode returns chosen ids (the loop then samples nothing)
     weights: str = "bf16"  # neuron: routed experts bf16 | fp8 (checkpoint.fp8_experts: NxD's per-channel e4m3)
+    prefill_chunk: int | None = None  # tokens per prefill call (reference: ops.call_tokens; neuron: the planner's)
     tile: int = 256  # reference: prefill query tile
     cache_dir: str | None = None  # where s3:// models are downloaded
 
@@ -145,12 +98,18 @@ class EngineSpec:
             ep = tp if b == "neuron" else int(os.environ.get("MINIMAX_M3_EP", "1") or 1) if _world_size() > 1 else 1
         lnc = self.lnc if self.lnc is not None else (sharding.TRN2["lnc"] if b == "neuron" else 1)
         batch = self.max_batch if self.max_batch is not None else (1 if neuron else 8)
-        ctx = self.max_context_len or (max(self.context_buckets) if self.context_buckets else self.max_seq_len)
-        kw = dict(device=device, dtype=dtype, tp=tp, ep=ep, lnc=lnc, max_batch=batch, max_context_len=ctx)
+        ctx = self.max_context_len or (max(self.context_buckets) if self.context_buckets and not self.prefill_chunk
+                                       else self.max_seq_len)
+        chunk = self.prefill_chunk
+        if chunk is None and config is not None:  # one prompt per call up to the cap (sharding's module doc)
+            chunk = sharding.default_prefill_chunk(config, tp, ctx) if neuron else _call_tokens(config)
+        kw = dict(device=device, dtype=dtype, tp=tp, ep=ep, lnc=lnc, max_batch=batch, max_context_len=ctx,
+                  prefill_chunk=chunk)
         if neuron:
             kw["continuous_batching"] = batch > 1 if self.continuous_batching is None else self.continuous_batching
             kw["all_logits"] = (b == "neuron-cpu") if self.all_logits is None else self.all_logits
-            kw["context_buckets"] = tuple(sorted(self.context_buckets or context_buckets(ctx)))
+            # a prefill call is at most one chunk: the buckets end at the chunk (or the context, when shorter)
+            kw["context_buckets"] = tuple(sorted(self.context_buckets or context_buckets(min(ctx, chunk or ctx))))
             if self.token_buckets:
                 kw["token_buckets"] = tuple(sorted(self.token_buckets))
             elif b == "neuron-cpu":  # CPU mode runs one decode module as long as the cache (see _neuron_problems)
@@ -186,6 +145,10 @@ class EngineSpec:
             out += s._neuron_problems(config)
         if config is not None and min(s.tp, s.ep) >= 1:
             out += s._layout_problems(config)
+            out += chunk_problems(s.prefill_chunk, config, s.tp, neuron=neuron, max_context_len=s.max_context_len,
+                                  max_seq_len=s.max_seq_len)
+        elif s.prefill_chunk is not None and s.prefill_chunk < 1:
+            out.append(f"prefill_chunk (--prefill-chunk) must be >= 1, got {s.prefill_chunk}")
         return out
 
     def validate(self, config: M3Config | None = None) -> "EngineSpec":
@@ -236,7 +199,7 @@ class EngineSpec:
                     if self.backend == "neuron-cpu" else "install the Neuron SDK 2.29 (README, 'Install')")
             out.append(f"backend {self.backend} needs NxD Inference importable: {hint}")
         return out + bucket_problems(self.context_buckets, self.token_buckets, self.max_context_len,
-                                     self.max_seq_len, config)
+                                     self.max_seq_len, config, self.prefill_chunk)
 
     def _layout_problems(self, c: M3Config) -> list[str]:
         out = sharding.model_problems(c, self.tp, self.ep, even_vocab=self.backend == "reference")
@@ -289,6 +252,12 @@ class EngineSpec:
     def to_json(self) -> dict:
         return {f.name: (list(v) if isinstance(v, tuple) else v)
                 for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+
+
+def _call_tokens(config: M3Config) -> int:
+    from ..ops.prefill import call_tokens  # torch: only where a reference spec is resolved against a model
+
+    return call_tokens(config.index_block_size)
 
 
 def _best_device() -> str:
@@ -364,6 +333,11 @@ def add_engine_options(p: argparse.ArgumentParser, *, backend: str | None = "ref
                    help="neuron: sample on device (decode returns token ids)")
     g.add_argument("--weights", default=None, choices=WEIGHTS,
                    help="neuron: routed-expert format (fp8: NxD's expert-wise per-channel e4m3; default bf16)")
+    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="tokens per prefill call: a longer prompt is prefilled in calls of N tokens, each attending to "
+                        "the cache the earlier ones wrote; a multiple of the index block (neuron: of lcm(block, KV "
+                        "group)). Default: reference 8192 in whole blocks; neuron the longest prompt rounded up to "
+                        "whole units when at most 8192, else 8192 (the context buckets end at it)")
 
 
 def spec_from_args(args: argparse.Namespace, **overrides) -> EngineSpec:

@@ -31,7 +31,7 @@ def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
               torch_dtype=DTYPES[spec.dtype], padding_side="right", on_cpu=on_cpu, enable_bucketing=True,
               context_encoding_buckets=_listed(spec.context_buckets),
               token_generation_buckets=_listed(spec.token_buckets), output_logits=False,
-              prefill_all_logits=bool(spec.all_logits))
+              prefill_all_logits=bool(spec.all_logits), prefill_chunk=spec.prefill_chunk)
     if on_cpu:  # the stand-in kernels cannot run; NxDI's native paths (and ours) are used
         kw.update(attn_kernel_enabled=False, qkv_kernel_enabled=False, mlp_kernel_enabled=False,
                   blockwise_matmul_config={"use_torch_block_wise": True})

@@ -18,7 +18,7 @@ from neuronx_distributed_inference.modules.autobucketing import generate_buckets
 
 from ..config import sharding
 from ..config.m3 import M3Config
-from ..engine.spec import bucket_problems
+from ..engine.buckets import bucket_problems, chunk_problems, context_buckets
 from ..errors import ServingError
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,19 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
 
     ``prefill_all_logits`` (ours, default False): the context-encoding graph returns the logits of every
     position of its bucket instead of NxDI's last-token gather, so one prefill scores a whole prompt
-    (``NeuronEngine.prefill_logits``); it costs a ``bucket x vocab`` fp32 output, so serving builds keep it off."""
+    (``NeuronEngine.prefill_logits``); it costs a ``bucket x vocab`` fp32 output, so serving builds keep it off.
+
+    ``prefill_chunk`` (ours; the engine spec's ``prefill_chunk``, vLLM: ``override_neuron_config``): a prompt wider
+    than this is prefilled in successive context-encoding calls of at most this many tokens, each attending to the
+    cache the earlier calls wrote (``NeuronMiniMaxM3ForCausalLM.forward`` runs the loop); the context buckets end at
+    it. None: ``config.sharding.default_prefill_chunk`` of ``max_context_length`` (set by ``add_derived_config``)."""
 
     def __init__(self, **kwargs):
         problems = serving_problems(kwargs)
         if problems:
             raise ServingError(problems)
         self.prefill_all_logits = bool(kwargs.pop("prefill_all_logits", False))
+        self.prefill_chunk = kwargs.pop("prefill_chunk", None)
         # vllm-neuron passes tp_degree only: the MoE split defaults to all TP ranks over moe_ep_degree groups
         tp, ep = kwargs.get("tp_degree", 1), kwargs.get("moe_ep_degree") or 1
         kwargs.setdefault("moe_tp_degree", sharding.moe_tp(tp, ep))
@@ -207,6 +213,18 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         nc.moe_fused_nki_kernel_enabled = False
         nc.blockwise_matmul_config.logical_nc_config = nc.logical_nc_config  # the kernel's LNC grid
         self.moe_fused_nki_kernel_enabled = False
+        self._derive_prefill_chunk(c)
+
+    def _derive_prefill_chunk(self, c: M3Config) -> None:
+        """The prefill chunk (the engine spec's rule where none is given: vLLM's configs) and, where a prompt can be
+        longer than it and no context buckets are given, the default buckets ending at it (as the spec's);
+        ``self.prefill_chunk`` mirrors it (saved with the config)."""
+        nc = self.neuron_config
+        if nc.prefill_chunk is None:
+            nc.prefill_chunk = sharding.default_prefill_chunk(c, nc.tp_degree, nc.max_context_length)
+        if nc.enable_bucketing and not nc.context_encoding_buckets and 0 < nc.prefill_chunk < nc.max_context_length:
+            nc.context_encoding_buckets = context_buckets(nc.prefill_chunk)
+        self.prefill_chunk = nc.prefill_chunk
 
     def validate_config(self):
         super().validate_config()
@@ -237,7 +255,9 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         # the buckets NxDI will build (its own when none are given; one of each length without bucketing)
         tkg = [b[-1] if isinstance(b, list) else b for b in generate_buckets_for_tkg(self)]
         cte = nc.context_encoding_buckets if nc.enable_bucketing else [nc.max_context_length]
-        problems += bucket_problems(cte, tkg, nc.max_context_length, nc.seq_len, c)
+        problems += bucket_problems(cte, tkg, nc.max_context_length, nc.seq_len, c, nc.prefill_chunk)
+        problems += chunk_problems(nc.prefill_chunk, c, tp, max_context_len=nc.max_context_length,
+                                   max_seq_len=nc.seq_len)
         if nc.moe_tp_degree * nc.moe_ep_degree != tp:
             problems.append(f"moe_tp_degree {nc.moe_tp_degree} x moe_ep_degree {nc.moe_ep_degree} must equal "
                             f"tp_degree {tp} (vLLM's --tensor-parallel-size)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -133,13 +134,17 @@ class NeuronMiniMaxM3Model(nxd_compat.OnDeviceSamplingHook, NeuronBaseModel):
         sampler. Called for NxDI's sampling step by ``nxd_compat.OnDeviceSamplingHook`` (not for speculation)."""
         if not isinstance(self.sampler, SeededSampler):
             return None
-        counter = self._positions.max(dim=1).values
+        counter, last = self._positions.max(dim=1).values, None
         if is_for_context_encoding and self._last_real is not None:
-            counter = self._last_real
+            last = self._last_real
         elif is_for_context_encoding and self._mask is not None and self._mask.dim() == 2:
-            counter = self._mask.sum(dim=1).clamp(min=1) - 1  # right padding: the last real token (all-logits builds)
-        if logits.shape[1] > 1:  # all-position prefill logits
-            row = torch.gather(logits, 1, counter.to(torch.long).view(-1, 1, 1).expand(-1, 1, logits.shape[2]))[:, 0]
+            last = self._mask.sum(dim=1).clamp(min=1) - 1  # right padding: the last real token (all-logits builds)
+        if last is not None:  # its position, not its index: a chunk of a chunked prefill starts at p0 > 0
+            last = last.to(torch.long).view(-1, 1)
+            counter = torch.gather(self._positions, 1, last)[:, 0]
+        if logits.shape[1] > 1:  # all-position prefill logits: the last real token's column
+            at = last if last is not None else counter.to(torch.long).view(-1, 1)
+            row = torch.gather(logits, 1, at.view(-1, 1, 1).expand(-1, 1, logits.shape[2]))[:, 0]
         else:
             row = logits[:, -1, :]
         return self.sampler(row, sampling_params, rank_id=self.rank_util.get_rank(), positions=counter).to(torch.int32)
@@ -166,6 +171,67 @@ def stream_pairs(path, config: MiniMaxM3InferenceConfig):
                                "experts as expert_wise_per_channel_symmetric/f8e4m3 only; use "
                                "checkpoint.fp8_experts.neuron_config_kwargs()"], source="neuron config")
     return fp8_experts.quantize_pairs(pairs)  # e4m3 routed experts plus their .scale keys
+
+
+# NxDI's forward arguments in order (positional calls are bound to their names before the chunk loop slices them)
+FORWARD_ARGS = tuple(inspect.signature(NeuronBaseForCausalLM.forward).parameters)[1:]
+
+
+def prefill_in_chunks(app, forward, kw: dict):
+    """``forward(**kw)`` (NxDI's), or for a prefill wider than ``prefill_chunk`` C: successive calls on the slices
+    ``[:, p0:p0+C]`` of ``input_ids`` / ``attention_mask`` (NxDI's inferred one when none is given: vllm-neuron) /
+    ``position_ids``, each writing its chunk into the rows' cache lines at ``p0`` and attending to what the earlier
+    calls wrote, returning what one call over the whole prompt returns: per row the last-token logits or token ids
+    from the call holding its last real token (right padding), all-position logits concatenated
+    (``prefill_all_logits``). After the first call every column, padding included, is at position ``p0 + i`` (the
+    cache manager writes a chunk from its first position; a row already complete writes only past its end), and a
+    1-token last call is sent 2 wide so NxDI routes it to context encoding."""
+    chunk, ids, pos = app.neuron_config.prefill_chunk, kw.get("input_ids"), kw.get("position_ids")
+    if not chunk or ids is None or pos is None or ids.shape[-1] <= chunk or not app._is_prefill(pos):
+        return forward(**kw)
+    mask = kw.get("attention_mask")
+    if mask is None:
+        mask = app._infer_attention_mask(pos)
+    b, n = ids.shape
+    holder = (mask.sum(dim=1).clamp(min=1) - 1) // chunk  # the call holding each row's last real token
+    outs, widths = [], []
+    for p0 in range(0, n, chunk):
+        w = min(chunk, n - p0)
+        part = {**kw, "input_ids": ids[:, p0:p0 + w], "attention_mask": mask[:, p0:p0 + w],
+                "position_ids": pos[:, p0:p0 + w]}
+        if p0:
+            part["position_ids"] = (p0 + torch.arange(max(w, 2), dtype=pos.dtype)).expand(b, -1).contiguous()
+        if p0 and w == 1:
+            part["input_ids"] = torch.nn.functional.pad(part["input_ids"], (0, 1), value=app.config.pad_token_id)
+            part["attention_mask"] = torch.nn.functional.pad(part["attention_mask"], (0, 1))
+        outs.append(forward(**part))
+        widths.append(w)
+    return _merge(outs, widths, holder, app.neuron_config.prefill_all_logits)
+
+
+def _merge(outs, widths, holder, all_positions: bool):
+    """The outputs of a chunked prefill's calls as one call's (see :func:`prefill_in_chunks`): each of ``logits``,
+    ``tokens``, ``hidden_states`` (NxDI may hand the same tensor under several names) concatenated over the calls'
+    widths when it holds every position, else row ``r`` taken from call ``holder[r]``."""
+    out, merged = outs[-1], {}
+    fields = {name: [getattr(o, name, None) for o in outs] for name in ("logits", "tokens", "hidden_states")}
+    for name, values in fields.items():
+        if not all(torch.is_tensor(v) for v in values):
+            continue
+        same = next((m for m in merged if all(a is b for a, b in zip(fields[m], values))), None)
+        if same is not None:
+            merged[name] = merged[same]
+        elif all_positions and name != "tokens" and values[0].dim() > 2:
+            merged[name] = torch.cat([v[:, :w] for v, w in zip(values, widths)], dim=1)
+        else:
+            picked = values[-1].clone()
+            for k, v in enumerate(values[:-1]):
+                rows = holder == k
+                picked[rows] = v[rows]
+            merged[name] = picked
+    for name, value in merged.items():
+        setattr(out, name, value)
+    return out
 
 
 class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
@@ -202,9 +268,19 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
             sampling_params = widen(sampling_params, self.default_sampling_params)
         return super().preprocess_inputs(*args, sampling_params=sampling_params, **kwargs)
 
+    def _is_prefill(self, position_ids):
+        """NxDI sends a call to the context-encoding graph when its positions start at 0; a call of a chunked
+        prefill starts at ``p0 > 0`` and is one too: any call wider than one token (decode is one token wide: the
+        port has no speculation). Targets NxDI 0.9 (``models/model_base.py``: ``NeuronBaseForCausalLM._is_prefill``,
+        private; the synchronous and the async paths both route by it)."""
+        return position_ids.shape[-1] > 1 or super()._is_prefill(position_ids)
+
     def forward(self, *args, **kwargs):
-        """NxDI's forward, with the LM head's vocabulary padding (a multiple of TP, masked) sliced off."""
-        out = super().forward(*args, **kwargs)
+        """NxDI's forward, in calls of at most ``prefill_chunk`` tokens when a prefill is wider
+        (:func:`prefill_in_chunks`: the one chunk loop, for the engine's provider and vllm-neuron, which hands the
+        model whole prompts), with the LM head's vocabulary padding (a multiple of TP, masked) sliced off."""
+        kwargs.update(zip(FORWARD_ARGS, args))
+        out = prefill_in_chunks(self, super().forward, kwargs)
         vocab = self.config.vocab_size
         if getattr(out, "logits", None) is not None and out.logits.shape[-1] > vocab:
             out.logits = out.logits[..., :vocab]

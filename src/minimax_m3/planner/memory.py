@@ -36,7 +36,6 @@ kB = ceil(B / G) keys per block per rank, k' = min(K, ceil(S / B)) selected bloc
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..config import sharding
@@ -53,7 +52,7 @@ HBM_BYTES_PER_S = 725e9  # one logical core's share of trn2 HBM bandwidth at LNC
 SHARD_ON_I_MULTIPLE = 256  # NxDI SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP (pads I/moe_tp with shard-on-I kernels)
 LAYOUTS = ("replicated", "sharded")
 PORT_LAYOUT = "replicated"  # what today's port runs: the library's default and the graph report's minimum
-MAX_CHUNK = 8192  # the default prefill chunk is the largest power-of-two multiple of lcm(block, G) that fits, <= this
+MAX_CHUNK = sharding.MAX_PREFILL_CHUNK  # the default prefill chunk's cap (chunk_choices)
 
 
 class PlanError(M3Error, ValueError):
@@ -110,8 +109,9 @@ def group_size(c: M3Config, tp: int) -> int:
 
 def cache_multiple(c: M3Config, tp: int, layout: str) -> int:
     """What a context bucket (and, sharded, a prefill chunk) is a multiple of: the index block, and with the
-    sharded caches ``lcm(block, G)`` (every rank writes C / G tokens, chunks start on block boundaries)."""
-    return math.lcm(c.index_block_size, group_size(c, tp)) if layout == "sharded" else c.index_block_size
+    sharded caches ``lcm(block, G)`` (``sharding.chunk_unit``: every rank writes C / G tokens, chunks start on block
+    boundaries)."""
+    return sharding.chunk_unit(c, tp) if layout == "sharded" else c.index_block_size
 
 
 def cache_tokens(c: M3Config, tp: int, seq: int, layout: str) -> int:
@@ -314,9 +314,9 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
 
 
 def chunk_choices(c: M3Config, tp: int, seq: int, cap: int = MAX_CHUNK) -> list[int]:
-    """The default chunk's candidates, largest first: ``lcm(block, G) x 2^j`` up to ``cap`` and the bucket."""
-    m, bucket = cache_multiple(c, tp, "sharded"), cache_tokens(c, tp, seq, "sharded")
-    return [m << j for j in range(64) if m << j <= min(cap, bucket)][::-1] or [m]
+    """The default chunk's candidates, largest first (``sharding.prefill_chunk_choices``, whose first is the engine
+    spec's default): the bucket when it is at most ``cap``, then ``lcm(block, G) x 2^j`` up to both."""
+    return sharding.prefill_chunk_choices(c, tp, seq, cap)
 
 
 def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",

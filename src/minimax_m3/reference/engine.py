@@ -45,16 +45,16 @@ class ReferenceProvider:
 
     continuous = False
 
-    def __init__(self, model: M3Model, spec: EngineSpec, prefill_chunk: int | None = None):
-        """``prefill_chunk``: tokens per prefill call (default ``ops.call_tokens``: 8192 rounded to whole blocks);
-        a longer prompt is prefilled in calls of that many tokens, each attending to the cache the earlier calls
-        wrote plus itself, so its working memory is one call's."""
+    def __init__(self, model: M3Model, spec: EngineSpec):
+        """``spec.prefill_chunk``: tokens per prefill call (its default, ``ops.call_tokens``: 8192 rounded to whole
+        blocks); a longer prompt is prefilled in calls of that many tokens, each attending to the cache the earlier
+        calls wrote plus itself, so its working memory is one call's."""
         self.model = model
         self.config: M3Config = model.config
         self.device = model.lm_head.weight.device
         self.max_seq_len, self.max_context_len = spec.max_seq_len, spec.max_context_len
         self.max_batch, self.tile = spec.max_batch, spec.tile
-        self.prefill_chunk = prefill_chunk or ops.call_tokens(self.config.index_block_size)
+        self.prefill_chunk = spec.resolve(self.config).prefill_chunk
         self._cache, self._rows = None, 0
 
     def _forward(self, prompts: list[list[int]], cache_len: int, all_logits: bool):
@@ -113,7 +113,7 @@ class ReferenceEngine(Engine):
     """The generation loop over a :class:`ReferenceProvider` (``engine.model`` is the torch model)."""
 
     def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
-                 spec: EngineSpec | None = None):
+                 spec: EngineSpec | None = None, prefill_chunk: int | None = None):
         """``spec``: the validated spec the model was loaded for (:func:`load_reference`); without it (a model built
         by hand) the spec of the other arguments, validated against the model's config."""
         if spec is None:
@@ -121,7 +121,7 @@ class ReferenceEngine(Engine):
             dtype = str(w.dtype).removeprefix("torch.")  # float64: models built by hand for exact comparisons
             spec = EngineSpec(model="", backend="reference", device=str(w.device), max_seq_len=max_seq_len,
                               dtype=dtype if dtype in DTYPES else None, max_batch=max_batch_size,
-                              tile=tile).validate(model.config)
+                              tile=tile, prefill_chunk=prefill_chunk).validate(model.config)
             spec = dataclasses.replace(spec, dtype=dtype)
         super().__init__(ReferenceProvider(model, spec), spec)
         self.model, self.device, self.dtype = model, self.provider.device, model.lm_head.weight.dtype
@@ -129,7 +129,7 @@ class ReferenceEngine(Engine):
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | None = None, dtype: str | torch.dtype | None = None,
                         max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
-                        plan: ShardPlan | None = None) -> "ReferenceEngine":
+                        plan: ShardPlan | None = None, prefill_chunk: int | None = None) -> "ReferenceEngine":
         """Keyword form of :func:`load_reference` (``path``: a checkpoint directory or ``s3://``, downloaded once).
         ``plan``: this rank's tensor/expert-parallel slice (every rank of the process group must then make the same
         calls with the same inputs)."""
@@ -137,7 +137,7 @@ class ReferenceEngine(Engine):
             dtype = str(dtype).removeprefix("torch.")
         path = storage.resolve(str(path))
         spec = EngineSpec(model=str(path), backend="reference", device=device, dtype=dtype, max_seq_len=max_seq_len,
-                          max_batch=max_batch_size, tile=tile)
+                          max_batch=max_batch_size, tile=tile, prefill_chunk=prefill_chunk)
         return load_reference(spec, M3Config.from_pretrained(path), plan=plan)
 
 

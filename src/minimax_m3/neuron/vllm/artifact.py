@@ -27,7 +27,7 @@ from ...engine.spec import EngineSpec, SpecError
 OVERRIDE_FIELDS = ("moe_ep_degree", "logical_nc_config", "context_encoding_buckets", "token_generation_buckets",
                    "attn_kernel_enabled", "qkv_kernel_enabled", "mlp_kernel_enabled", "save_sharded_checkpoint",
                    "on_cpu", "blockwise_matmul_config", "quantized", "quantization_type", "quantization_dtype",
-                   "quantized_checkpoints_path", "modules_to_not_convert")
+                   "quantized_checkpoints_path", "modules_to_not_convert", "prefill_chunk")
 
 
 def serving_problems(spec: EngineSpec) -> list[str]:
