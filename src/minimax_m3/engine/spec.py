@@ -125,6 +125,8 @@ class EngineSpec:
     weights: str = "bf16"  # neuron: routed experts bf16 | fp8 (checkpoint.fp8_experts: NxD's per-channel e4m3)
     tile: int = 256  # reference: prefill query tile
     cache_dir: str | None = None  # where s3:// models are downloaded
+    draft: str | None = None  # an EAGLE3 draft checkpoint: speculative decoding (reference backend)
+    num_speculative_tokens: int | None = None  # drafts per step with a draft (default 3)
 
     # ---- defaults ---------------------------------------------------------------------------------------------
     def resolve(self, config: M3Config | None = None) -> "EngineSpec":
@@ -147,6 +149,8 @@ class EngineSpec:
         batch = self.max_batch if self.max_batch is not None else (1 if neuron else 8)
         ctx = self.max_context_len or (max(self.context_buckets) if self.context_buckets else self.max_seq_len)
         kw = dict(device=device, dtype=dtype, tp=tp, ep=ep, lnc=lnc, max_batch=batch, max_context_len=ctx)
+        if self.draft and self.num_speculative_tokens is None:
+            kw["num_speculative_tokens"] = 3
         if neuron:
             kw["continuous_batching"] = batch > 1 if self.continuous_batching is None else self.continuous_batching
             kw["all_logits"] = (b == "neuron-cpu") if self.all_logits is None else self.all_logits
@@ -186,6 +190,21 @@ class EngineSpec:
             out += s._neuron_problems(config)
         if config is not None and min(s.tp, s.ep) >= 1:
             out += s._layout_problems(config)
+        return out + s._draft_problems()
+
+    def _draft_problems(self) -> list[str]:
+        """Speculative decoding: an EAGLE3 draft on the reference backend, one process (the checkpoint itself is
+        checked when it loads, against the model: ``checkpoint.draft``)."""
+        if not self.draft:
+            return [] if self.num_speculative_tokens is None else [
+                "num_speculative_tokens (--speculative-tokens) applies with a draft: add --draft DIR"]
+        out = []
+        if _neuron(self.backend):
+            out.append("EAGLE3 on the neuron backend: not yet; use --backend reference")
+        if self.num_speculative_tokens < 1:
+            out.append(f"num_speculative_tokens (--speculative-tokens) must be >= 1, got {self.num_speculative_tokens}")
+        if self.backend == "reference" and self.tp > 1:
+            out.append(f"a draft with reference tp {self.tp}: not yet; speculate in one process (drop torchrun)")
         return out
 
     def validate(self, config: M3Config | None = None) -> "EngineSpec":
@@ -364,6 +383,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, backend: str | None = "ref
                    help="neuron: sample on device (decode returns token ids)")
     g.add_argument("--weights", default=None, choices=WEIGHTS,
                    help="neuron: routed-expert format (fp8: NxD's expert-wise per-channel e4m3; default bf16)")
+    g.add_argument("--draft", default=None, help="an EAGLE3 draft checkpoint (directory or s3://): speculative "
+                                                   "decoding, reference backend (docs/speculative.md)")
+    g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, default=None,
+                   help="draft tokens verified per target forward with --draft (default 3)")
 
 
 def spec_from_args(args: argparse.Namespace, **overrides) -> EngineSpec:
