@@ -28,7 +28,7 @@ from .memory import BF16, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens
 
 # An assumed draft for MiniMax-M3 when none is given: the published EAGLE3 head is a one-layer Llama fed by the
 # target's hidden size with MHA attention (docs/m3_model_and_formats.md §3.4); its heads, MLP width and draft
-# vocabulary are assumptions here (64 x 128, 16384, 32000). Its weights are ~1.5 % of a rank's per step at TP 64.
+# vocabulary are assumptions here (64 x 128, 16384, 32000). Its weights are 0.4 % of a rank's fp8 weights at TP 64.
 M3_DRAFT = DraftConfig(hidden_size=6144, num_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=16384,
                        vocab_size=200064, draft_vocab_size=32000, target_hidden_size=6144)
 ACCEPTANCE = (1.5, 2.0, 2.5, 3.0, 3.5)
