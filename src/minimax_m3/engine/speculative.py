@@ -5,7 +5,7 @@ forward, ``accept`` the outcome; see :class:`minimax_m3.engine.loop.StepProvider
 
 * greedy: a draft is the argmax of the draft's logits; the longest prefix of drafts equal to the target's argmax is
   accepted, then the target's argmax at the first disagreement (or after the last draft) is appended. The output is
-  plain greedy decoding's, token for token.
+  plain greedy decoding's, token for token (up to logits tying within the rounding of the verify forward's path).
 * sampling, speculative sampling (Leviathan et al. 2023, Chen et al. 2023): a draft ``y`` is drawn from ``q``, the
   draft's distribution after the request's temperature / top-k / top-p filter; it is accepted when
   ``u < p(y) / q(y)`` (``p``: the target's filtered distribution, as plain sampling draws from), else the token is
