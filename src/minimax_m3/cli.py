@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import storage
 from .load import load_engine
-from .engine.loop import TIMING_KEYS, GenerationConfig
+from .engine.loop import SPEC_TIMING_KEYS, TIMING_KEYS, GenerationConfig
 from .errors import M3Error
 from .engine.spec import EngineSpec, add_engine_options, spec_from_args
 
@@ -25,7 +25,7 @@ STORAGE_WIRING = {
     "longbench": (("model", "tokenizer", "data", "longbench_dir"), "out"),
     "needle": (("model", "tokenizer"), "out"),
     "convert": (("path",), "out"),
-    "inspect": (("path",), None),
+    "inspect": (("path", "target"), None),
     "compile": (("model", "compiled"), "compiled"),  # --compiled s3://... is read only with --skip-compile
 }
 
@@ -118,8 +118,9 @@ def _timing(res) -> dict:
     steps = sorted(t["decode_step_s"])
     med = steps[len(steps) // 2] if steps else None
     ms = {f"{k.removesuffix('_s')}_ms": round(t[k] * 1e3, 2) for k in TIMING_KEYS if k != "decode_step_s"}
-    return {**ms, "decode_ms_per_token_median": None if med is None else round(med * 1e3, 2),
-            "decode_steps": len(steps)}
+    spec = {k: t[k] for k in SPEC_TIMING_KEYS if k in t}  # speculative decoding: steps are verify steps
+    return {**ms, "decode_ms_per_token_median" if not spec else "decode_ms_per_step_median":
+            None if med is None else round(med * 1e3, 2), "decode_steps": len(steps), **spec}
 
 
 def cmd_demo(args) -> None:

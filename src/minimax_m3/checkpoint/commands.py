@@ -1,29 +1,39 @@
-"""``minimax-m3 synth | inspect | convert``: ``register(subparsers)`` adds them to the CLI."""
+"""``minimax-m3 synth | inspect | convert`` (targets; synth and inspect also EAGLE3 drafts): ``register(subparsers)``
+adds them to the CLI."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 from ..config.m3 import M3Config
+from ..errors import M3Error
 from .reader import CheckpointError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("synth", help="write a synthetic checkpoint in the release layout (bf16, MXFP8 or NVFP4)")
+    p = sub.add_parser("synth", help="write a synthetic checkpoint in the release layout (bf16, MXFP8 or NVFP4), or "
+                                      "with --draft eagle3 a synthetic EAGLE3 draft for a target")
+    p.add_argument("dest", nargs="?", default=None, help="output directory (or --out)")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None)
+    p.add_argument("--draft", choices=["eagle3"], default=None,
+                   help="write an EAGLE3 draft head for --target (default: the --preset's config) instead")
+    p.add_argument("--target", default=None, help="--draft: the target checkpoint directory the draft is for")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", dest="fmt", default="bf16", choices=["bf16", "mxfp8", "nvfp4"])
     p.add_argument("--shards", type=int, default=None)
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=cmd_synth)
 
-    p = sub.add_parser("inspect", help="format, counts, config summary and every problem of a checkpoint")
+    p = sub.add_parser("inspect", help="format, counts, config summary and every problem of a checkpoint (a target "
+                                        "or an EAGLE3 draft)")
     p.add_argument("path")
+    p.add_argument("--target", default=None, help="a draft: also check it against this target checkpoint")
     p.add_argument("--json", action="store_true")
     p.add_argument("--deep", action="store_true", help="also read every scale tensor (NaN E8M0/E4M3 scales)")
     p.set_defaults(func=cmd_inspect)
@@ -43,10 +53,28 @@ def register(sub) -> None:
 def cmd_synth(args) -> int:
     from .synthetic import write_synthetic
 
-    out = write_synthetic(args.out, args.preset, seed=args.seed, num_shards=args.shards, force=args.force,
-                          fmt=args.fmt)
+    dest = args.out or args.dest
+    if dest is None or (args.out and args.dest and args.out != args.dest):
+        raise M3Error("give one output directory: `minimax-m3 synth OUT` or `--out OUT`")
+    if args.draft:
+        from .draft import write_synthetic_draft
+
+        target = M3Config.from_pretrained(args.target) if args.target else M3Config.preset(args.preset)
+        out = write_synthetic_draft(dest, target, seed=args.seed, force=args.force)
+        print(f"wrote a synthetic {args.draft} draft for {args.target or 'the ' + args.preset + ' preset'} to {out}")
+        return 0
+    out = write_synthetic(dest, args.preset, seed=args.seed, num_shards=args.shards, force=args.force, fmt=args.fmt)
     print(f"wrote {args.fmt} synthetic checkpoint ({args.preset}) to {out}")
     return 0
+
+
+def _is_draft(path) -> bool:
+    from ..config.draft import is_draft_config
+
+    try:
+        return is_draft_config(json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 def inspect(path) -> dict:
@@ -86,8 +114,14 @@ def inspect(path) -> dict:
 
 
 def cmd_inspect(args) -> int:
-    info = inspect(args.path)
-    if args.deep and not info["problems"]:
+    draft = _is_draft(args.path)
+    if draft:
+        from .draft import draft_info
+
+        info = draft_info(args.path, M3Config.from_pretrained(args.target) if args.target else None)
+    else:
+        info = inspect(args.path)
+    if args.deep and not info["problems"] and not draft:
         from .validate import check
 
         info["problems"] = check(args.path, deep=True).problems
@@ -97,7 +131,11 @@ def cmd_inspect(args) -> int:
         print(f"{info['path']}: {info.get('format_description', 'unreadable')}")
         if "config" in info:
             print("  config: " + ", ".join(f"{k}={v}" for k, v in info["config"].items()))
-        if "stored_tensors" in info:
+        if "stored_tensors" in info and draft:
+            shared = ", ".join(info["shared_with_target"]) or "nothing"
+            print(f"  {info['shards']} shard(s), {info['stored_tensors']} stored tensors, {info['stored_bytes']:,} "
+                  f"bytes; shared with the target: {shared}")
+        elif "stored_tensors" in info:
             print(f"  {info['shards']} shard(s), {info['stored_tensors']} stored tensors, "
                   f"{info['stored_bytes']:,} bytes; {info['release_tensors']} release tensors "
                   f"{info['encodings']}; {info['layers_present']} layers")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    **{n: "loop" for n in ("TIMING_KEYS", "Engine", "EngineInputError", "GenerationConfig", "GenerationResult",
-                            "StepOutput", "StepProvider", "unpad")},
+    **{n: "loop" for n in ("SPEC_TIMING_KEYS", "TIMING_KEYS", "Engine", "EngineInputError", "GenerationConfig",
+                            "GenerationResult", "StepOutput", "StepProvider", "unpad")},
     **{n: "spec" for n in ("BACKENDS", "EngineSpec", "SpecError")},
 }
 __all__ = sorted(_EXPORTS)

@@ -6,6 +6,11 @@ returning logits (or, with on-device sampling, chosen token ids). The loop here 
 on every backend: input checks, batching and continuous admission into free slots, per-sequence seeded sampling,
 EOS and stop sequences, ``return_logits`` and the timing fields. :func:`load_engine` builds an engine from an
 :class:`~minimax_m3.engine.spec.EngineSpec` (in :mod:`minimax_m3.load`, the one module that knows every backend).
+
+A provider that speculates (``speculative_tokens`` > 0: it drafts k tokens and verifies them in one target forward)
+is driven by the same loop: a step drafts, verifies and appends every accepted token plus the one after them, each
+through the same stop rules; the choices are :mod:`.speculative`'s (greedy: plain greedy's tokens; sampling:
+speculative sampling, plain sampling's distribution, every draw a function of the sequence's seed and position).
 """
 
 from __future__ import annotations
@@ -20,13 +25,17 @@ import torch
 from .. import ops
 from ..config.m3 import M3Config
 from ..errors import M3Error
+from . import speculative
 from .spec import BACKENDS, EngineSpec
 
 __all__ = ["BACKENDS", "Engine", "EngineInputError", "EngineSpec", "GenerationConfig", "GenerationResult",
-           "StepOutput", "StepProvider", "TIMING_KEYS", "unpad"]
+           "SPEC_TIMING_KEYS", "StepOutput", "StepProvider", "TIMING_KEYS", "unpad"]
 
 # every result's ``timings`` has exactly these keys, on every backend (seconds; ``decode_step_s`` a list)
 TIMING_KEYS = ("queue_s", "prefill_s", "ttft_s", "decode_step_s", "total_s")
+# with speculative decoding also these (``decode_step_s`` then has one entry per verify step): verify steps, draft
+# tokens proposed and accepted, and the mean acceptance length (tokens per verify step: 1 + accepted / steps)
+SPEC_TIMING_KEYS = ("spec_steps", "draft_tokens", "accepted_tokens", "acceptance_length")
 
 
 class EngineInputError(M3Error, ValueError):
@@ -106,6 +115,12 @@ class StepProvider(Protocol):
 
     # Optional: ``start(gen)``, called once per ``generate`` before any step, for a provider that samples on the
     # device (it then returns :class:`StepOutput` token ids drawn with ``gen``'s settings and seed).
+    # Optional, speculative decoding: ``speculative_tokens`` (k > 0) and
+    #   ``propose(slots, lasts, positions, ks, choose) -> drafts``: ``ks[i]`` draft tokens per row after the token
+    #       ``lasts[i]`` at ``positions[i]``, each picked by ``choose(i, j, logits) -> id``;
+    #   ``verify(slots, tokens, positions) -> [logits [len(tokens[i]), vocab]]``: one target forward per row over
+    #       ``tokens[i]`` placed at ``positions[i] ..`` (row j: the logits after ``tokens[i][j]``);
+    #   ``accept(slots, accepted)``: row i kept ``accepted[i]`` drafts of the last verify.
 
 
 @dataclass
@@ -122,6 +137,8 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     kept: list[torch.Tensor] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    seed: int | None = None  # speculative sampling: the counter-based draws' seed (``rng`` is then None)
+    spec: list[int] | None = None  # speculating: [verify steps, draft tokens, accepted drafts]
 
     @property
     def pos(self) -> int:  # where the last chosen token goes in decode
@@ -134,6 +151,7 @@ class Engine:
     def __init__(self, provider: StepProvider, spec: EngineSpec | None = None):
         self.provider, self.spec = provider, spec
         self.config: M3Config = provider.config
+        self.speculative_tokens = int(getattr(provider, "speculative_tokens", 0) or 0)
 
     @property
     def max_seq_len(self) -> int:
@@ -199,6 +217,9 @@ class Engine:
             active = [r for r, seq in enumerate(slots) if seq is not None]
             if not active:
                 continue
+            if self.speculative_tokens:
+                self._speculate(active, slots, results, gen, t0)
+                continue
             t1 = time.perf_counter()
             out = self.provider.decode([slots[r].tokens[-1] for r in active], [slots[r].pos for r in active], active)
             dt = time.perf_counter() - t1
@@ -222,12 +243,15 @@ class Engine:
             out = self.provider.prefill(rows, [r for r, _ in group], max(map(len, rows)) + gen.max_new_tokens)
             dt = time.perf_counter() - t1
             for k, (r, i) in enumerate(group):
-                rng = None
-                if not gen.greedy:
+                rng, seed = None, None
+                if not gen.greedy and self.speculative_tokens:
+                    seed = 0 if gen.seed is None else gen.seed
+                elif not gen.greedy:
                     device = out.logits.device if isinstance(out, StepOutput) and out.logits is not None else \
                         out.device if isinstance(out, torch.Tensor) else "cpu"
                     rng = torch.Generator(device=device).manual_seed(0 if gen.seed is None else gen.seed)
-                slots[r] = _Sequence(i, prompts[i], rng, queue_s=t1 - t0, prefill_s=dt)
+                slots[r] = _Sequence(i, prompts[i], rng, queue_s=t1 - t0, prefill_s=dt, seed=seed,
+                                     spec=[0, 0, 0] if self.speculative_tokens else None)
                 self._receive(slots[r], out, k)
 
     def _can_admit(self, waiting: deque, slots: list) -> bool:
@@ -253,8 +277,15 @@ class Engine:
             raise EngineInputError("the backend returned neither logits nor token ids")
         elif gen.greedy:
             tok = int(seq.logits.argmax())
+        elif seq.seed is not None:
+            tok = speculative.sample_at(seq.logits, gen, seq.seed, seq.pos + 1)
         else:
             tok = int(ops.sample(seq.logits[None], gen.temperature, gen.top_k, gen.top_p, seq.rng)[0])
+        return Engine._append(seq, tok, gen, t0)
+
+    @staticmethod
+    def _append(seq: _Sequence, tok: int, gen: GenerationConfig, t0: float) -> str | None:
+        """Add ``tok`` (chosen from ``seq.logits``) to ``seq``; the finish reason once done, else None."""
         if gen.return_logits:
             if seq.logits is None:
                 raise EngineInputError("return_logits needs logits, but this engine samples on the device "
@@ -269,10 +300,44 @@ class Engine:
             return "stop"
         return "length" if len(seq.tokens) == gen.max_new_tokens else None
 
+    def _speculate(self, active: list[int], slots: list, results: list, gen: GenerationConfig, t0: float) -> None:
+        """One speculative step of the ``active`` slots: draft, verify in one target forward per row, append the
+        accepted drafts and the token after them (fewer drafts where fewer tokens remain to generate)."""
+        p, seqs = self.provider, [slots[r] for r in active]
+        ks = [min(self.speculative_tokens, gen.max_new_tokens - len(s.tokens) - 1) for s in seqs]
+        qs: list[list] = [[] for _ in seqs]
+
+        def choose(i: int, j: int, logits: torch.Tensor) -> int:
+            tok, q = speculative.propose(logits, gen, seqs[i].seed, seqs[i].pos + 1 + j)
+            qs[i].append(q)
+            return tok
+
+        t1 = time.perf_counter()
+        lasts, positions = [s.tokens[-1] for s in seqs], [s.pos for s in seqs]
+        drafts = p.propose(active, lasts, positions, ks, choose)
+        logits = p.verify(active, [[t] + d for t, d in zip(lasts, drafts)], positions)
+        outcome = [speculative.verify(lg, d, q, gen, s.seed, s.pos + 1)
+                   for lg, d, q, s in zip(logits, drafts, qs, seqs)]
+        p.accept(active, [a for a, _ in outcome])
+        dt = time.perf_counter() - t1
+        for r, seq, d, lg, (a, tok) in zip(active, seqs, drafts, logits, outcome):
+            seq.step_s.append(dt)
+            seq.spec = [seq.spec[0] + 1, seq.spec[1] + len(d), seq.spec[2] + a]
+            for j, t in enumerate(d[:a] + [tok]):
+                seq.logits = lg[j]
+                reason = self._append(seq, t, gen, t0)
+                if reason:
+                    results[seq.index], slots[r] = self._result(seq, reason, gen, t0), None
+                    break
+
     @staticmethod
     def _result(seq: _Sequence, reason: str, gen: GenerationConfig, t0: float) -> GenerationResult:
         timings = {"queue_s": seq.queue_s, "prefill_s": seq.prefill_s, "ttft_s": seq.ttft_s,
                    "decode_step_s": seq.step_s, "total_s": time.perf_counter() - t0}
+        if seq.spec is not None:
+            steps, drafted, accepted = seq.spec
+            timings.update(spec_steps=steps, draft_tokens=drafted, accepted_tokens=accepted,
+                           acceptance_length=(steps + accepted) / steps if steps else None)
         return GenerationResult(tokens=seq.tokens, finish_reason=reason, prompt_len=len(seq.prompt),
                                 step_logits=torch.stack(seq.kept) if gen.return_logits else None, timings=timings)
 

@@ -78,6 +78,8 @@ class EngineSpec:
     prefill_chunk: int | None = None  # tokens per prefill call (reference: ops.call_tokens; neuron: the planner's)
     tile: int = 256  # reference: prefill query tile
     cache_dir: str | None = None  # where s3:// models are downloaded
+    draft: str | None = None  # an EAGLE3 draft checkpoint: speculative decoding (reference backend)
+    num_speculative_tokens: int | None = None  # drafts per step with a draft (default 3)
 
     # ---- defaults ---------------------------------------------------------------------------------------------
     def resolve(self, config: M3Config | None = None) -> "EngineSpec":
@@ -105,6 +107,8 @@ class EngineSpec:
             chunk = sharding.default_prefill_chunk(config, tp, ctx) if neuron else _call_tokens(config)
         kw = dict(device=device, dtype=dtype, tp=tp, ep=ep, lnc=lnc, max_batch=batch, max_context_len=ctx,
                   prefill_chunk=chunk)
+        if self.draft and self.num_speculative_tokens is None:
+            kw["num_speculative_tokens"] = 3
         if neuron:
             kw["continuous_batching"] = batch > 1 if self.continuous_batching is None else self.continuous_batching
             kw["all_logits"] = (b == "neuron-cpu") if self.all_logits is None else self.all_logits
@@ -149,6 +153,21 @@ class EngineSpec:
                                   max_seq_len=s.max_seq_len)
         elif s.prefill_chunk is not None and s.prefill_chunk < 1:
             out.append(f"prefill_chunk (--prefill-chunk) must be >= 1, got {s.prefill_chunk}")
+        return out + s._draft_problems()
+
+    def _draft_problems(self) -> list[str]:
+        """Speculative decoding: an EAGLE3 draft on the reference backend, one process (the checkpoint itself is
+        checked when it loads, against the model: ``checkpoint.draft``)."""
+        if not self.draft:
+            return [] if self.num_speculative_tokens is None else [
+                "num_speculative_tokens (--speculative-tokens) applies with a draft: add --draft DIR"]
+        out = []
+        if _neuron(self.backend):
+            out.append("EAGLE3 on the neuron backend: not yet; use --backend reference")
+        if self.num_speculative_tokens < 1:
+            out.append(f"num_speculative_tokens (--speculative-tokens) must be >= 1, got {self.num_speculative_tokens}")
+        if self.backend == "reference" and self.tp > 1:
+            out.append(f"a draft with reference tp {self.tp}: not yet; speculate in one process (drop torchrun)")
         return out
 
     def validate(self, config: M3Config | None = None) -> "EngineSpec":
@@ -338,6 +357,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, backend: str | None = "ref
                         "the cache the earlier ones wrote; a multiple of the index block (neuron: of lcm(block, KV "
                         "group)). Default: reference 8192 in whole blocks; neuron the longest prompt rounded up to "
                         "whole units when at most 8192, else 8192 (the context buckets end at it)")
+    g.add_argument("--draft", default=None, help="an EAGLE3 draft checkpoint (directory or s3://): speculative "
+                                                   "decoding, reference backend (docs/speculative.md)")
+    g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, default=None,
+                   help="draft tokens verified per target forward with --draft (default 3)")
 
 
 def spec_from_args(args: argparse.Namespace, **overrides) -> EngineSpec:

@@ -7,7 +7,8 @@ HBM each): the bytes of weights, KV and index-K caches, prefill working memory a
 (:mod:`.memory`, which lists each term); the decode HBM floor and a TTFT estimate (:mod:`.cost`: FLOP, HBM and link
 time per prefill call, plus a fixed latency per collective); the sharded layout's collectives per layer
 (:func:`collectives`); both layouts side by side for contexts 4K..1M; the largest context and batch that fit
-(:mod:`.fit`, which also holds :func:`require_fit`, the check a compile runs first).
+(:mod:`.fit`, which also holds :func:`require_fit`, the check a compile runs first); with ``--speculative K``
+the projection of speculative decoding with an EAGLE3 draft (:mod:`.speculative`).
 
 Layouts: ``replicated`` is what today's port runs (``PORT_LAYOUT``: the library's default and the graph report's
 minimum until the port switches); ``sharded`` is issue 23's (caches split over the G ranks of a KV group, prompts
@@ -20,6 +21,8 @@ from .cost import (COLLECTIVE_LATENCY_S, LINK_BYTES_PER_S, PEAK_FLOPS_PER_S, Ttf
                    collectives, decode_floor_ms, decode_minimum_bytes, link_seconds, prefill_flops, ttft,
                    weights_read)
 from .fit import FitError, largest_batch, largest_context, require_fit
+from .speculative import (ACCEPTANCE, M3_DRAFT, Projection, StepCost, draft_step, format_projection, project,
+                          step_flops, target_step)
 from .memory import (BF16, FP8, FP32, GIB, HBM_BYTES_PER_S, HBM_PER_RANK_GIB, INT64, LAYOUTS, MAX_CHUNK,
                      PORT_LAYOUT, SHARD_ON_I_MULTIPLE, ChunkError, MemoryPlan, PlanError, attention_chunk_bytes,
                      cache_bytes, cache_multiple, cache_tokens, chunk_choices, chunk_problems, group_size,
@@ -27,6 +30,8 @@ from .memory import (BF16, FP8, FP32, GIB, HBM_BYTES_PER_S, HBM_PER_RANK_GIB, IN
                      sharded_attention_bytes, weight_bytes)
 
 __all__ = [
+    "ACCEPTANCE", "M3_DRAFT", "Projection", "StepCost", "draft_step", "format_projection", "project", "step_flops",
+    "target_step",
     "BF16", "COLLECTIVE_LATENCY_S", "FP8", "FP32", "GIB", "HBM_BYTES_PER_S", "HBM_PER_RANK_GIB", "INT64", "LAYOUTS",
     "LINK_BYTES_PER_S", "MAX_CHUNK", "PEAK_FLOPS_PER_S", "PORT_LAYOUT", "SHARD_ON_I_MULTIPLE", "ChunkError",
     "FitError", "MemoryPlan", "PlanError", "Ttft", "add_arguments", "attention_chunk_bytes", "cache_bytes",

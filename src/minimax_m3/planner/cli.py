@@ -1,17 +1,22 @@
 """``minimax-m3 plan``: the plan of one layout at ``--batch`` / ``--seq``, the sharded layout's collectives, both
-layouts side by side for contexts 4K..1M, and the largest context and batch that fit."""
+layouts side by side for contexts 4K..1M, the largest context and batch that fit, and with ``--speculative K`` the
+projection of speculative decoding (tokens/s per sequence, batch 1-32, acceptance 1.5-3.5)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from ..config import sharding
+from ..config.draft import DraftConfig, parse_draft_config
 from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, HBM_BYTES_PER_S, PEAK_FLOPS_PER_S, collectives, decode_floor_ms, \
     link_seconds, ttft
 from .fit import largest_batch, largest_context
 from .memory import GIB, HBM_PER_RANK_GIB, LAYOUTS, ChunkError, MemoryPlan, PlanError, cache_tokens, plan, \
     weight_bytes
+from .speculative import M3_DRAFT, format_projection, project
 
 CONTEXTS = (4096, 32768, 131072, 524288, 1048576)
 
@@ -143,6 +148,24 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reserve-gib", type=float, default=3.0, help="runtime/scratchpad reserve (default 3)")
     ap.add_argument("--hbm-gib", type=float, default=HBM_PER_RANK_GIB, help="HBM per rank (default 24)")
     ap.add_argument("--config", default=None, help="config.json or checkpoint folder (default: the M3 release)")
+    ap.add_argument("--speculative", type=int, default=None, metavar="K",
+                    help="also project speculative decoding with K drafts per step: tokens/s per sequence at batch "
+                         "1-32 for acceptance lengths 1.5-3.5 against plain decode (planner/speculative.py)")
+    ap.add_argument("--draft", default=None, help="--speculative: the EAGLE3 draft checkpoint (or its config.json) "
+                                                  "whose size to count (default: an assumed M3 draft)")
+
+
+def _draft(path: str | None) -> DraftConfig:
+    if path is None:
+        return M3_DRAFT
+    f = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        dc, problems = parse_draft_config(json.loads(f.read_text()))
+    except (OSError, ValueError) as exc:
+        raise PlanError([f"--draft {path}: unreadable config ({exc})"]) from None
+    if dc is None or problems:
+        raise PlanError([f"--draft {path}: {p}" for p in problems])
+    return dc
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,6 +182,11 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(format_table(c, args.tp, args.ep, args.batch, kw, args.chunk))
         print(format_largest(c, args.tp, args.ep, args.batch, args.seq, kw, args.chunk))
+        if args.speculative:
+            print()
+            rows = project(c, args.tp, args.ep, args.seq, args.speculative, args.weights, args.kv_dtype,
+                           _draft(args.draft))
+            print(format_projection(rows, args.seq, args.weights))
     except PlanError as e:
         print(f"minimax-m3 plan: {e}")
         return 2

@@ -16,9 +16,11 @@ from .. import ops, storage
 from ..config.m3 import M3Config
 from ..engine.loop import Engine, EngineInputError
 from ..engine.spec import EngineSpec
+from .eagle3 import load_drafter
 from .loader import load_model
 from .model import M3Model
 from .parallel import ShardPlan, init_distributed
+from .speculative import Speculation
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -44,6 +46,7 @@ class ReferenceProvider:
     tile of a validated ``spec``: each group's cache holds ``spec.max_seq_len`` positions, as the neuron backend's."""
 
     continuous = False
+    _taps: tuple[int, ...] | None = None  # target layers whose input states a prefill keeps (a drafter's)
 
     def __init__(self, model: M3Model, spec: EngineSpec):
         """``spec.prefill_chunk``: tokens per prefill call (its default, ``ops.call_tokens``: 8192 rounded to whole
@@ -55,12 +58,12 @@ class ReferenceProvider:
         self.max_seq_len, self.max_context_len = spec.max_seq_len, spec.max_context_len
         self.max_batch, self.tile = spec.max_batch, spec.tile
         self.prefill_chunk = spec.resolve(self.config).prefill_chunk
-        self._cache, self._rows = None, 0
+        self._cache, self._rows, self._hidden = None, 0, None
 
     def _forward(self, prompts: list[list[int]], cache_len: int, all_logits: bool):
         """Prefill a batch aligned at position 0 (right-padded) into a new cache of ``cache_len`` positions, in
         calls of at most ``prefill_chunk`` tokens (each row's last logits come from the call holding its last
-        token)."""
+        token). With ``_taps``, the states entering those layers at every position are kept in ``_hidden``."""
         ops.sharded.check_chunk(self.prefill_chunk, self.config.index_block_size)
         b, s = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(b, s, dtype=torch.long)
@@ -70,16 +73,21 @@ class ReferenceProvider:
         positions = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
         cache = self.model.new_cache(b, cache_len, tile=self.tile)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        out = []
+        out, taps, hidden = [], None if all_logits else self._taps, []
         for t0 in range(0, s, self.prefill_chunk):
             t1 = min(s, t0 + self.prefill_chunk)
             at = None if all_logits else (last - t0).clamp(0, t1 - t0 - 1)
-            logits = self.model(ids[:, t0:t1], positions[:, t0:t1], cache, t1, decode=False, logits_at=at)
+            logits = self.model(ids[:, t0:t1], positions[:, t0:t1], cache, t1, decode=False, logits_at=at,
+                                hidden_at=taps)
+            if taps:
+                logits, states = logits
+                hidden.append(states)
             if all_logits or not out:
                 out.append(logits)
             else:  # the rows whose last token is in this call
                 here = ((last >= t0) & (last < t1)).view(b, 1, 1)
                 out[0] = torch.where(here, logits, out[0])
+        self._hidden = torch.cat(hidden, dim=1) if hidden else None
         return torch.cat(out, dim=1), cache
 
     def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int) -> torch.Tensor:
@@ -109,13 +117,19 @@ class ReferenceProvider:
             torch.cuda.synchronize()
 
 
+class SpeculativeProvider(Speculation, ReferenceProvider):
+    """A :class:`ReferenceProvider` that drafts with an EAGLE3 head and verifies (``reference/speculative.py``)."""
+
+
 class ReferenceEngine(Engine):
     """The generation loop over a :class:`ReferenceProvider` (``engine.model`` is the torch model)."""
 
     def __init__(self, model: M3Model, max_seq_len: int = 4096, max_batch_size: int = 8, tile: int = 256,
-                 spec: EngineSpec | None = None, prefill_chunk: int | None = None):
+                 spec: EngineSpec | None = None, prefill_chunk: int | None = None, drafter=None,
+                 speculative_tokens: int | None = None):
         """``spec``: the validated spec the model was loaded for (:func:`load_reference`); without it (a model built
-        by hand) the spec of the other arguments, validated against the model's config."""
+        by hand) the spec of the other arguments, validated against the model's config. ``drafter``: speculate with
+        it (an :class:`~.eagle3.Eagle3Drafter`), ``speculative_tokens`` (default: the spec's) drafts per step."""
         if spec is None:
             w = model.lm_head.weight
             dtype = str(w.dtype).removeprefix("torch.")  # float64: models built by hand for exact comparisons
@@ -123,7 +137,9 @@ class ReferenceEngine(Engine):
                               dtype=dtype if dtype in DTYPES else None, max_batch=max_batch_size,
                               tile=tile, prefill_chunk=prefill_chunk).validate(model.config)
             spec = dataclasses.replace(spec, dtype=dtype)
-        super().__init__(ReferenceProvider(model, spec), spec)
+        k = speculative_tokens or spec.num_speculative_tokens or 3
+        provider = ReferenceProvider(model, spec) if drafter is None else SpeculativeProvider(model, spec, drafter, k)
+        super().__init__(provider, spec)
         self.model, self.device, self.dtype = model, self.provider.device, model.lm_head.weight.dtype
 
     @classmethod
@@ -153,4 +169,7 @@ def load_reference(spec: EngineSpec, config: M3Config, plan: ShardPlan | None = 
         resolved = dataclasses.replace(resolved, device=device)
     model = load_model(resolved.model, device=resolved.device, config=config, plan=plan,
                        dtype=resolve_dtype(resolved.dtype, resolved.device))
-    return ReferenceEngine(model, spec=resolved)
+    drafter = None
+    if resolved.draft:
+        drafter = load_drafter(storage.resolve(resolved.draft, resolved.cache_dir), model)
+    return ReferenceEngine(model, spec=resolved, drafter=drafter)

@@ -237,20 +237,29 @@ class M3Model(nn.Module):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int, decode: bool,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None, hidden_at: tuple[int, ...] | None = None):
         """Hidden states → float32 logits. ``ids, positions [B, S]``; a prefill call covers positions
         ``kv_len - S .. kv_len - 1`` (from 0: a whole prompt, or the first call of a chunked prefill).
 
-        ``logits_at [B]`` picks one position per row (saves the lm_head over the whole prompt)."""
+        ``logits_at [B]`` picks one position per row (saves the lm_head over the whole prompt).
+
+        ``hidden_at``: target layer ids (an EAGLE3 draft's, vLLM's indexing: id ``j`` is the residual stream entering
+        layer ``j``, the output of layer ``j - 1``); the forward then returns ``(logits, hidden [B, S, n x hidden])``,
+        the states concatenated in ascending id order at every position. The logits are the same either way."""
         c = self.config
         x = self._embed(ids)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq, x.dtype)
         rope = {d: ops.rope_tables(cos, sin, d) for d in {c.head_dim, c.index_head_dim}}  # per head width, once
-        for layer in self.layers:
+        taps = sorted(hidden_at or ())
+        kept = []
+        for i, layer in enumerate(self.layers):
+            if i in taps:
+                kept.append(x)
             x = layer(x, rope, positions, cache, kv_len, decode)
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
-        return self.plan.all_gather_last(F.linear(self.norm(x), self.lm_head.weight).float())
+        logits = self.plan.all_gather_last(F.linear(self.norm(x), self.lm_head.weight).float())
+        return logits if hidden_at is None else (logits, torch.cat(kept, dim=-1))
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.plan.world == 1:

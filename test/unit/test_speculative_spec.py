@@ -1,0 +1,62 @@
+"""The engine spec's draft fields and the commands that build a speculating engine: ``--draft DIR
+--speculative-tokens K`` (default 3), refused where it cannot run (the neuron backends, reference tp > 1, K < 1, K
+without a draft) in the one SpecError, and ``generate`` reporting the acceptance statistics."""
+
+import json
+
+import pytest
+
+from minimax_m3.checkpoint.draft import write_synthetic_draft
+from minimax_m3.cli import build_parser, main
+from minimax_m3.config import M3Config
+from minimax_m3.engine.spec import EngineSpec, SpecError, spec_from_args
+
+TINY = M3Config.preset("tiny")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def test_draft_fields_default_and_problems(monkeypatch):
+    assert EngineSpec("m", device="cpu", draft="d").resolve(TINY).num_speculative_tokens == 3
+    assert EngineSpec("m", device="cpu").resolve(TINY).num_speculative_tokens is None
+    assert EngineSpec("m", device="cpu", draft="d", num_speculative_tokens=5).validate(TINY).num_speculative_tokens == 5
+    for backend in ("neuron", "neuron-cpu"):
+        problems = EngineSpec("m", backend=backend, draft="d").problems(TINY)
+        assert "EAGLE3 on the neuron backend: not yet; use --backend reference" in problems
+    assert EngineSpec("m", device="cpu", num_speculative_tokens=2).problems(TINY) == [
+        "num_speculative_tokens (--speculative-tokens) applies with a draft: add --draft DIR"]
+    assert EngineSpec("m", device="cpu", draft="d", num_speculative_tokens=0).problems(TINY) == [
+        "num_speculative_tokens (--speculative-tokens) must be >= 1, got 0"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SpecError, match="a draft with reference tp 2: not yet"):
+        EngineSpec("m", device="cpu", draft="d").validate(TINY)
+
+
+def test_the_engine_options_carry_the_draft():
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt-ids", "1", "--draft", "d",
+                                      "--speculative-tokens", "4"])
+    spec = spec_from_args(args)
+    assert (spec.draft, spec.num_speculative_tokens) == ("d", 4)
+    assert spec_from_args(build_parser().parse_args(["generate", "--model", "m", "--prompt-ids", "1"])).draft is None
+
+
+def test_generate_with_a_draft_reports_acceptance(tiny_ckpt, tmp_path, capsys):
+    draft = write_synthetic_draft(tmp_path / "draft", M3Config.from_pretrained(tiny_ckpt))
+    ids = ",".join(str(3 + (7 * i) % 500) for i in range(60))
+    argv = ["generate", "--model", str(tiny_ckpt), "--prompt-ids", ids, "--device", "cpu", "--max-new-tokens", "8",
+            "--max-seq-len", "256"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--draft", str(draft), "--speculative-tokens", "2"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["tokens"] == plain["tokens"] and spec["spec_steps"] == spec["decode_steps"] >= 1
+    assert spec["acceptance_length"] == (spec["spec_steps"] + spec["accepted_tokens"]) / spec["spec_steps"]
+    assert "acceptance_length" not in plain
+    bad = tmp_path / "bad"
+    write_synthetic_draft(bad, M3Config.preset("small"))  # a draft for another target
+    assert main(argv + ["--draft", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "problem(s)" in err and "hidden_size is 128" in err and "Traceback" not in err
