@@ -1,8 +1,9 @@
 """The sequence-sharded KV layout (issue 23) in NxDI's CPU mode, at this process's TP (1, or torchrun's 2 and 4), with
 1 and 2 KV heads, so each KV head's K/V and index-K caches are split over G = TP / KV heads ranks (G = 1..4): the
-cache lines hold ``max_len / G`` slots, and prefill (every position) and cached decode under continuous batching
-(staggered admissions, decode crossing index-block boundaries, the indexer dropping blocks) equal the golden logits
-with the same greedy tokens.
+cache lines hold ``max_len / G`` slots, and prefill (every position; prompts of up to 100 tokens prefilled in calls of
+32, so up to 4 calls each reading what the earlier ones wrote into the sharded caches) and cached decode under
+continuous batching (staggered admissions, decode crossing index-block boundaries, the indexer dropping blocks) equal
+the golden logits with the same greedy tokens.
 
 Golden: the reference engine (graded against transformers in the project's own suite) in **float64**. Bound: 2e-5, or
 where float32 itself cannot reach it, 1.5x the float32 reference's own distance from the golden on the same inputs
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.neuron_cpu
 TOL = 2e-5  # float32; issue 23's target
 FLOOR = 1.5  # x the float32 reference's own error, where that exceeds TOL
 STEPS = 20  # the 37-token prompt decodes across the 48 and 64 block boundaries
-SLOTS, SEQ, BUCKETS = 2, 160, [32, 64, 128]
+SLOTS, SEQ, CHUNK, CONTEXT = 2, 160, 32, 128
 PROMPTS = [random_ids(100, seed=41), random_ids(37, seed=42), random_ids(70, seed=43), random_ids(20, seed=44)]
 
 
@@ -46,7 +47,7 @@ def engines(request, tmp_path_factory):
     config = M3Config.preset("tiny").replace(num_kv_heads=kv, index_heads=kv)
     ck = write_synthetic(tmp_path_factory.mktemp(f"kv{kv}") / "tiny", config, seed=0)
     port = load_engine(str(ck), backend="neuron-cpu", **neuron_cpu_engine_kwargs(
-        batch_size=SLOTS, max_seq_len=SEQ, max_context_length=max(BUCKETS), context_encoding_buckets=BUCKETS))
+        batch_size=SLOTS, max_seq_len=SEQ, max_context_length=CONTEXT, prefill_chunk=CHUNK))
     ref = ReferenceEngine.from_pretrained(ck, device="cpu", dtype="float32", max_seq_len=256)
     golden = ReferenceEngine(copy.deepcopy(ref.model).double(), max_seq_len=256, max_batch_size=SLOTS)
     return kv, port, ref, golden
@@ -61,6 +62,7 @@ def test_each_kv_head_cache_is_split_over_its_group(engines):
     g = _tp() // kv if _tp() > kv else 1
     app = port.app
     assert app.config.kv_layout == "sharded" and app.config.num_cores_per_group == g
+    assert app.config.prefill_chunk == CHUNK and app.neuron_config.context_encoding_buckets == [CHUNK]
     for wrapper in (app.context_encoding_model, app.token_generation_model):
         mgr = wrapper.model.kv_mgr
         k, v = mgr.kv_lines(0)
