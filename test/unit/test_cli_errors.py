@@ -62,3 +62,20 @@ def test_a_spec_the_backend_cannot_run_lists_every_problem(ckpt, capsys):
     assert "lnc applies to the neuron backend only" in err and "tp 3 does not divide the 8 attention heads" in err
     _fails(capsys, ["compile", "--backend", "reference", "--model", str(ckpt)],
            "compile builds the neuron backends (--backend neuron or neuron-cpu), not reference")
+
+
+def test_a_trn2_build_that_does_not_fit_is_refused_before_any_compile(tmp_path, capsys):
+    """``compile --backend neuron`` at M3's widths: 64 sequences of 1M tokens need more HBM than a rank has (the
+    planner: 2.77 GiB of sharded caches per sequence and rank at 1M); refused with the largest batch and context
+    that fit, before the Neuron SDK is imported (it is not installed here). The same build at batch 1 passes this
+    check and stops only at the missing SDK."""
+    m3 = tmp_path / "m3"
+    m3.mkdir()
+    (m3 / "config.json").write_text(json.dumps(M3Config.preset("m3").to_release_dict()))
+    argv = ["compile", "--model", str(m3), "--max-seq-len", "1048576", "--max-context-len", "1048576",
+            "--prefill-chunk", "8192", "--weights", "fp8"]
+    err = _fails(capsys, argv + ["--batch", "64"], "batch 64 x 1048576 tokens (sharded caches, prefill calls of 8192",
+                 "largest batch at 1048576 tokens: ")
+    assert "largest context at batch 64" in err
+    err = _fails(capsys, argv + ["--batch", "1"])
+    assert "largest batch" not in err and "Neuron SDK" in err

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 def _run(args) -> int:
     from ._sdk import import_neuron_module as _import
-    from .compile import check_backend, check_dry_run
+    from .compile import check_backend, check_dry_run, check_fit
 
     check_backend(args)
     if args.dry_run:
         check_dry_run(args)  # every layout problem, before the (slow) NxDI import
+    check_fit(args)  # a trn2 build that does not fit HBM: refused before the SDK is imported
     _import("config")  # without the Neuron SDK: one NeuronUnavailableError saying what to install
     return _import("compile").run(args)
 

@@ -17,8 +17,8 @@ from ..engine.spec import (
     DEFAULT_CONTEXT_BUCKETS, EngineSpec, SpecError, add_engine_options, context_buckets, spec_from_args, token_buckets,
 )
 
-__all__ = ["DEFAULT_CONTEXT_BUCKETS", "add_args", "check_dry_run", "compile_spec", "context_buckets", "main",
-           "run", "token_buckets"]
+__all__ = ["DEFAULT_CONTEXT_BUCKETS", "add_args", "check_dry_run", "check_fit", "compile_spec", "context_buckets",
+           "main", "run", "token_buckets"]
 
 SYNTHETIC = dict(tp=2, ep=1, lnc=1)  # --synthetic: the tiny model's smoke-check layout
 
@@ -67,6 +67,31 @@ def vllm_spec(args) -> EngineSpec:
 def check_backend(args) -> None:
     if args.backend not in ("neuron", "neuron-cpu"):
         raise SpecError([f"compile builds the neuron backends (--backend neuron or neuron-cpu), not {args.backend}"])
+
+
+def check_fit(args) -> None:
+    """A trn2 build (``--backend neuron``, not a dry run) whose batch x length does not fit HBM is refused before
+    anything compiles: the planner's :func:`~minimax_m3.planner.require_fit` (the port's sequence-sharded caches and
+    prefill chunk) names the bytes and the largest context and batch that fit."""
+    if args.backend != "neuron" or args.dry_run:
+        return
+    spec = compile_spec(args)
+    config = _config(spec.model)
+    if config is None:  # the spec's own checks name the unreadable config
+        return
+    s = spec.resolve(config)
+    if min(s.tp, s.ep, s.max_batch, s.max_seq_len) < 1:
+        return
+    from ..errors import M3Error
+    from ..planner import FitError, require_fit
+
+    try:
+        require_fit(config, s.tp, s.ep, s.max_batch, s.max_seq_len, weights=s.weights, layout="sharded",
+                    chunk=s.prefill_chunk)
+    except FitError:
+        raise
+    except M3Error:  # a layout or chunk the planner cannot size: the spec's own checks name it, with the rest
+        return
 
 
 def check_dry_run(args):
