@@ -382,3 +382,36 @@ def test_bad_directories_one_clear_error(tmp_path, capsys, case):
 if __name__ == "__main__":
     _lower_all(Path(sys.argv[1]))
     sys.exit(0)
+
+
+# ---- a whole model from a few traced layers; collectives beside the planner's ----------------------------------------
+def test_layer_fit_by_hand():
+    from minimax_m3.graphs import layers
+
+    # fixed 7, dense 100, sparse 1000: 1 + 1 -> 1107, 1 + 3 -> 3107, 2 + 1 -> 1207; 3 + 57 -> 57,307
+    terms = layers.fit({(1, 1): 1107, (1, 3): 3107, (2, 1): 1207})
+    assert terms == (7.0, 100.0, 1000.0) and layers.project(terms, 3, 57) == 7 + 300 + 57_000
+    with pytest.raises(layers.LayerFitError, match="not independent"):
+        layers.fit({(1, 1): 1, (2, 2): 2, (3, 3): 3})  # only the layer total varies
+    with pytest.raises(layers.LayerFitError, match="three"):
+        layers.fit({(1, 1): 1, (1, 3): 2})
+
+
+def test_collectives_are_matched_to_the_planners_rows():
+    from minimax_m3.graphs.table import collective_counts, format_collectives
+
+    kv = [[0, 1], [2, 3]]
+    ops = [{"kind": "all-gather", "dtype": "bf16", "shape": [2, 1, 3, 8], "bytes": 96, "group_size": 2,
+            "replica_groups": kv, "where": "sharded_step.py:rank_attention:1"}] * 2 + [
+           {"kind": "all-reduce (max)", "dtype": "f32", "shape": [1, 2, 3], "bytes": 24, "group_size": 2,
+            "replica_groups": kv, "where": "sharded_step.py:rank_attention:2"}]
+    planner = [dict(name="group queries", kind="all-gather", ranks=2, dtype="bf16", bytes=96, count=2),
+               dict(name="softmax maxima", kind="all-reduce (max)", ranks=2, dtype="fp32", bytes=24, count=1),
+               dict(name="LM head logits", kind="all-gather", ranks=4, dtype="bf16", bytes=1024, count=1)]
+    counts = collective_counts({"collective_ops": ops, "analytic": {"collectives": planner}})
+    assert counts == {"all-gather bf16 x2 96 B": [2, 2, "group queries"],
+                      "all-reduce (max) f32 x2 24 B": [1, 1, "softmax maxima"],
+                      "all-gather bf16 x4 1.02 kB": [0, 1, "LM head logits"]}  # in the plan, not in the graph
+    lines = format_collectives({"collective_ops": ops})
+    assert lines[1].split() == ["2", "x", "all-gather", "bf16[2,", "1,", "3,", "8]", "groups", "2", "x", "2",
+                                "consecutive", "96", "B", "sharded_step.py:rank_attention:1"]
