@@ -131,7 +131,7 @@ def test_compile_names_off_block_token_buckets_in_one_message(tmp_path, tiny_ckp
     out = tmp_path / "out"
     args = ["--model", str(tiny_ckpt), "--tp", "1", "--ep", "1", "--lnc", "1", "--seq-len", "256",
             "--context-buckets", "128,256", "--token-buckets", "100,256", "--compiled", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), PJRT_DEVICE="CPU")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), PJRT_DEVICE="CPU")
     env.pop("NXD_CPU_MODE", None)
     p = subprocess.run([sys.executable, "-m", "test.support.hlo.dry_run", *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)

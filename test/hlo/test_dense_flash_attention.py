@@ -8,6 +8,10 @@ Traced here at M3's head counts and narrow widths (TP 64 / EP 64 / LNC 2: one qu
 D = 8) with layers dense, sparse, dense: every context-encoding graph holds one kernel call per dense layer (two; the
 sparse layer keeps ``ops.prefill_step``, so three calls or one would fail), decode graphs none, and ``hlo_cost``
 charges each call the kernel's tile count worked out by hand. Before: ``attn_kernel_enabled=False``, no call.
+
+This is the replicated cache layout's path (``--kv-layout replicated``: NxDI's GQA copies, a prompt in one call). With
+the port's default sequence-sharded caches every layer's context encoding runs ``ops.sharded_step.rank_attention``
+over the rank's shard and the kernel is not used (docs/results.md, "Graphs of the sharded layout").
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def dry_flash(tmp_path_factory):
 
     cfg = narrow_config().replace(sparse_layers=FLAGS)
     model = write_config(tmp_path_factory.mktemp("cfg") / "flash", cfg)
-    return dry_run(model, tmp_path_factory.mktemp("dry") / "flash", NARROW)
+    return dry_run(model, tmp_path_factory.mktemp("dry") / "flash", NARROW + ["--kv-layout", "replicated"])
 
 
 def _graphs(dry):

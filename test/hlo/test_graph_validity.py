@@ -114,7 +114,7 @@ def test_bad_layouts_fail_before_tracing_with_every_problem(bad, tmp_path, tiny_
                        "--context-buckets", "128,512", "--token-buckets", "1024"],
             "split": ["--model", str(tiny_ckpt), "--tp", "3", "--ep", "2", "--seq-len", "256"]}[bad]
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "test.support.hlo.dry_run", *args, "--compiled", str(out)], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 2, p.stderr[-3000:]

@@ -40,4 +40,5 @@ def test_the_planner_names_the_chunk_the_port_runs(ckpt, monkeypatch, prompt, bu
     c = M3Config.preset("tiny")
     assert seen and set(seen) == {(bucket, chunk)}, seen  # every layer: the bucket's length, one chunk size
     tp = kw["tp_degree"]
-    assert plan(c, tp, tp, batch=1, seq=bucket).chunk == chunk  # 8 chunks of whole 16-token blocks
+    # the query chunk of a one-call prefill: the replicated layout's (what the port runs when a KV head has one rank)
+    assert plan(c, tp, tp, batch=1, seq=bucket, layout="replicated").chunk == chunk  # 8 chunks of 16-token blocks

@@ -189,13 +189,18 @@ def _shape(dtype, dims):
 
 
 def _hand_module():
-    """entry: p0 bf16[4,8]; all-reduce over groups of 4 (x2, one f32); all-gather; custom calls; two calls of a
-    computation holding a [4,8]x[8,3] dot; a while loop whose body holds a [2,2]x[2,2] dot."""
+    """entry: p0 bf16[4,8]; all-reduce over groups of 4 (x2, one f32; one more with a max reduction); all-gather;
+    reduce-scatter; custom calls; two calls of a computation holding a [4,8]x[8,3] dot; a while loop whose body
+    holds a [2,2]x[2,2] dot."""
     m = hs.HloModuleProto(name="hand", entry_computation_id=1)
     add = m.computations.add(name="add", id=2, root_id=22)
     add.instructions.add(name="a", opcode="parameter", id=20, parameter_number=0, shape=_shape("F32", []))
     add.instructions.add(name="b", opcode="parameter", id=21, parameter_number=1, shape=_shape("F32", []))
     add.instructions.add(name="s", opcode="add", id=22, operand_ids=[20, 21], shape=_shape("F32", []))
+    mx = m.computations.add(name="max", id=5, root_id=52)
+    mx.instructions.add(name="a", opcode="parameter", id=50, parameter_number=0, shape=_shape("BF16", []))
+    mx.instructions.add(name="b", opcode="parameter", id=51, parameter_number=1, shape=_shape("BF16", []))
+    mx.instructions.add(name="m", opcode="maximum", id=52, operand_ids=[50, 51], shape=_shape("BF16", []))
     callee = m.computations.add(name="callee", id=3, root_id=32)
     callee.instructions.add(name="x", opcode="parameter", id=30, parameter_number=0, shape=_shape("BF16", [4, 8]))
     callee.instructions.add(name="w", opcode="parameter", id=31, parameter_number=1, shape=_shape("BF16", [8, 3]))
@@ -220,6 +225,12 @@ def _hand_module():
             called_computation_ids=[2], replica_groups=group)
     ins.add(name="ag", opcode="all-gather", id=15, operand_ids=[10], shape=_shape("BF16", [16, 8]),
             replica_groups=group, dimensions=[0])
+    two = [hs.message_classes()["ReplicaGroup"](replica_ids=[0, 1]), hs.message_classes()["ReplicaGroup"](
+        replica_ids=[2, 3])]
+    ins.add(name="arm", opcode="all-reduce", id=26, operand_ids=[10], shape=_shape("BF16", [4, 8]),
+            called_computation_ids=[5], replica_groups=two)
+    ins.add(name="rs", opcode="reduce-scatter", id=27, operand_ids=[10], shape=_shape("BF16", [2, 8]),
+            called_computation_ids=[2], replica_groups=two, dimensions=[0])
     ins.add(name="c1", opcode="call", id=16, operand_ids=[10, 11], shape=_shape("BF16", [4, 3]),
             called_computation_ids=[3])
     ins.add(name="c2", opcode="call", id=17, operand_ids=[10, 11], shape=_shape("BF16", [4, 3]),
@@ -230,27 +241,36 @@ def _hand_module():
             custom_call_target="AwsNeuronCustomNativeKernel")
     ins.add(name="wh", opcode="while", id=25, operand_ids=[18], shape=_shape("F32", [2, 2]),
             called_computation_ids=[4, 4])
-    root = ins.add(name="t", opcode="tuple", id=19, operand_ids=[14, 15, 16, 17, 23, 24, 25])
+    root = ins.add(name="t", opcode="tuple", id=19, operand_ids=[14, 15, 16, 17, 23, 24, 25, 26, 27])
     root.shape.element_type = hs.PrimitiveType.Value("TUPLE")
     return m
 
 
 def test_collectives_custom_calls_calls_and_loops():
     a = hlo_cost.analyze_module(hs.parse_module(_hand_module().SerializeToString()))
+    # bytes: the full buffer on each rank (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer)
     assert a["collectives"] == [
-        {"kind": "all-gather", "dtype": "bf16", "group_size": 4, "count": 1, "bytes": 4 * 8 * 2},
+        {"kind": "all-gather", "dtype": "bf16", "group_size": 4, "count": 1, "bytes": 16 * 8 * 2},
         {"kind": "all-reduce", "dtype": "bf16", "group_size": 4, "count": 1, "bytes": 4 * 8 * 2},
         {"kind": "all-reduce", "dtype": "f32", "group_size": 4, "count": 1, "bytes": 4 * 8 * 4},
+        {"kind": "all-reduce (max)", "dtype": "bf16", "group_size": 2, "count": 1, "bytes": 4 * 8 * 2},
+        {"kind": "reduce-scatter", "dtype": "bf16", "group_size": 2, "count": 1, "bytes": 4 * 8 * 2},
     ]
+    ops = {(o["kind"], o["dtype"], tuple(o["shape"]), o["bytes"]): o["replica_groups"] for o in a["collective_ops"]}
+    assert ops == {("all-reduce", "bf16", (4, 8), 64): [[0, 1, 2, 3]],
+                   ("all-reduce", "f32", (4, 8), 128): [[0, 1, 2, 3]],
+                   ("all-gather", "bf16", (16, 8), 256): [[0, 1, 2, 3]],
+                   ("all-reduce (max)", "bf16", (4, 8), 64): [[0, 1], [2, 3]],
+                   ("reduce-scatter", "bf16", (2, 8), 64): [[0, 1], [2, 3]]}
     assert a["custom_calls"] == {"AwsNeuronCustomNativeKernel": 1, "AwsNeuronRmsNorm": 1}
     assert a["uncounted_custom_calls"] == ["AwsNeuronCustomNativeKernel"]
     # two call sites of a 2*4*3*8 = 192 FLOP dot, and the while body's 2*2*2*2 = 16 counted once
     assert a["flops"]["rest"] == 2 * 192 + 16
     assert any("while" in n for n in a["notes"]) and any("uncounted" in n for n in a["notes"])
     assert "3 dot(s) without debug metadata counted as rest (trace with XLA_IR_DEBUG=1 XLA_HLO_DEBUG=1)" in a["notes"]
-    assert a["instructions"] == 3 + 3 + 2 + 13 and a["entry_instructions"] == 13  # add, callee, body, entry
-    # p0 is read by 2 collectives, 2 call sites' dots and 2 custom calls: 6 x 64 bytes; p1 by two dots
-    assert a["reads"][0] == 6 * 64 and a["reads"][1] == 2 * 8 * 3 * 2
+    assert a["instructions"] == 3 + 3 + 3 + 2 + 15 and a["entry_instructions"] == 15  # add, max, callee, body, entry
+    # p0 is read by 4 collectives, 2 call sites' dots and 2 custom calls: 8 x 64 bytes; p1 by two dots
+    assert a["reads"][0] == 8 * 64 and a["reads"][1] == 2 * 8 * 3 * 2
 
 
 TINY = M3Config.preset("tiny")  # h 128, 4 layers (1 dense + 3 sparse MoE), 8 q / 2 KV / 2 index heads, d 32
@@ -362,3 +382,36 @@ def test_bad_directories_one_clear_error(tmp_path, capsys, case):
 if __name__ == "__main__":
     _lower_all(Path(sys.argv[1]))
     sys.exit(0)
+
+
+# ---- a whole model from a few traced layers; collectives beside the planner's ----------------------------------------
+def test_layer_fit_by_hand():
+    from minimax_m3.graphs import layers
+
+    # fixed 7, dense 100, sparse 1000: 1 + 1 -> 1107, 1 + 3 -> 3107, 2 + 1 -> 1207; 3 + 57 -> 57,307
+    terms = layers.fit({(1, 1): 1107, (1, 3): 3107, (2, 1): 1207})
+    assert terms == (7.0, 100.0, 1000.0) and layers.project(terms, 3, 57) == 7 + 300 + 57_000
+    with pytest.raises(layers.LayerFitError, match="not independent"):
+        layers.fit({(1, 1): 1, (2, 2): 2, (3, 3): 3})  # only the layer total varies
+    with pytest.raises(layers.LayerFitError, match="three"):
+        layers.fit({(1, 1): 1, (1, 3): 2})
+
+
+def test_collectives_are_matched_to_the_planners_rows():
+    from minimax_m3.graphs.table import collective_counts, format_collectives
+
+    kv = [[0, 1], [2, 3]]
+    ops = [{"kind": "all-gather", "dtype": "bf16", "shape": [2, 1, 3, 8], "bytes": 96, "group_size": 2,
+            "replica_groups": kv, "where": "sharded_step.py:rank_attention:1"}] * 2 + [
+           {"kind": "all-reduce (max)", "dtype": "f32", "shape": [1, 2, 3], "bytes": 24, "group_size": 2,
+            "replica_groups": kv, "where": "sharded_step.py:rank_attention:2"}]
+    planner = [dict(name="group queries", kind="all-gather", ranks=2, dtype="bf16", bytes=96, count=2),
+               dict(name="softmax maxima", kind="all-reduce (max)", ranks=2, dtype="fp32", bytes=24, count=1),
+               dict(name="LM head logits", kind="all-gather", ranks=4, dtype="bf16", bytes=1024, count=1)]
+    counts = collective_counts({"collective_ops": ops, "analytic": {"collectives": planner}})
+    assert counts == {"all-gather bf16 x2 96 B": [2, 2, "group queries"],
+                      "all-reduce (max) f32 x2 24 B": [1, 1, "softmax maxima"],
+                      "all-gather bf16 x4 1.02 kB": [0, 1, "LM head logits"]}  # in the plan, not in the graph
+    lines = format_collectives({"collective_ops": ops})
+    assert lines[1].split() == ["2", "x", "all-gather", "bf16[2,", "1,", "3,", "8]", "groups", "2", "x", "2",
+                                "consecutive", "96", "B", "sharded_step.py:rank_attention:1"]

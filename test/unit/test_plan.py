@@ -39,27 +39,28 @@ def test_fp8_experts_by_hand():
 
 
 def test_decode_floor_fp8_by_hand():
-    # batch 32 at 4K on TP64/EP64: every step reads both local experts (32 x 4 picks >= 2 local experts).
+    # the replicated layout (the port's sharded one: test_plan_layout.py), batch 32 at 4K on TP64/EP64: every step
+    # reads both local experts (32 x 4 picks >= 2 local experts).
     # bf16 (planner): 17,835,174,912 bytes; fp8 replaces 12,910,067,712 expert bytes by 6,460,637,184
-    bf16 = sum(decode_minimum_bytes(M3, 64, 64, 32, 4096, "bf16").values())
-    fp8 = sum(decode_minimum_bytes(M3, 64, 64, 32, 4096, "fp8").values())
+    bf16 = sum(decode_minimum_bytes(M3, 64, 64, 32, 4096, "bf16", layout="replicated").values())
+    fp8 = sum(decode_minimum_bytes(M3, 64, 64, 32, 4096, "fp8", layout="replicated").values())
     assert bf16 == 17_835_174_912 and fp8 == bf16 - 12_910_067_712 + 6_460_637_184 == 11_385_744_384
-    assert decode_floor_ms(M3, 64, 64, 32, 4096, "fp8") == pytest.approx(11_385_744_384 / 725e9 * 1e3)
-    assert decode_floor_ms(M3, 64, 64, 32, 4096, "fp8") <= 16.0  # issue 15's target: 15.70 ms
+    floor = decode_floor_ms(M3, 64, 64, 32, 4096, "fp8", layout="replicated")
+    assert floor == pytest.approx(11_385_744_384 / 725e9 * 1e3) and floor <= 16.0  # issue 15's target: 15.70 ms
 
 
 def test_caches_by_hand():
-    p = plan(M3, 64, 64, batch=4, seq=4000)  # rounded up to 4096 = 32 blocks of 128
+    p = plan(M3, 64, 64, batch=4, seq=4000, layout="replicated")  # rounded up to 4096 = 32 blocks of 128
     # one KV head per rank: 4 x 4096 tokens x 60 layers x (K+V) x 128 x 2 bytes = 30 KiB per token
     assert p.kv_bytes == 4 * 4096 * 60 * 2 * 128 * 2 == 4 * 4096 * 30_720
     # index-K on every rank: 57 sparse layers x 128 x 2 bytes = 14.25 KiB per token
     assert p.index_k_bytes == 4 * 4096 * 57 * 128 * 2 == 4 * 4096 * 14_592
-    fp8 = plan(M3, 64, 64, batch=4, seq=4096, kv_dtype="fp8")
+    fp8 = plan(M3, 64, 64, batch=4, seq=4096, kv_dtype="fp8", layout="replicated")
     assert fp8.kv_bytes * 2 == p.kv_bytes and fp8.index_k_bytes * 2 == p.index_k_bytes
 
 
 def test_prefill_working_memory_by_hand():
-    p = plan(M3, 64, 64, batch=1, seq=2048, moe_block=512)
+    p = plan(M3, 64, 64, batch=1, seq=2048, moe_block=512, layout="replicated")
     t = 2048
     hidden = 4 * t * 6144 * 2
     proj = t * (2 + 2) * 128 * 2 + t * 2 * 128 * 2
@@ -93,7 +94,7 @@ def test_prefill_attention_chunk_at_32k_by_hand():
     assert sum(a.values()) == 4_903_665_664
     # the dense layers' chunk (4096 x 32768 fp32 scores + probabilities + mask) is smaller: the sparse one counts
     assert sum(a.values()) > 4096 * 32768 * 9
-    p = plan(M3, 64, 64, batch=1, seq=32768)
+    p = plan(M3, 64, 64, batch=1, seq=32768, layout="replicated")
     moe = 2 * 32768 * 128 * 4 + (32768 * 4 // 512 + 1) * 512 * (2 * 6144 + 2 * 3072) * 2
     # at 32K the chunk (4.57 GiB) is just above the MoE buffers (4.55 GiB): it is the phase that counts
     assert dict(p.phases) == {"attention chunk": 4_903_665_664, "MoE": moe} and moe < 4_903_665_664
@@ -101,26 +102,27 @@ def test_prefill_attention_chunk_at_32k_by_hand():
     assert p.prefill_bytes == persistent + max(moe, 4_903_665_664)
     # a smaller cap is modelled as the port would run it: 1024-query chunks gather a quarter of the K/V
     assert attention_chunk_bytes(M3, 64, 32768, chunk=1024)["gathered K and V"] == 2 ** 30
-    assert plan(M3, 64, 64, batch=1, seq=32768, max_chunk=1024).chunk == 1024
+    assert plan(M3, 64, 64, batch=1, seq=32768, max_chunk=1024, layout="replicated").chunk == 1024
 
 
 def test_verdicts():
-    assert plan(M3, 64, 64, batch=1, seq=4096).fits
+    assert plan(M3, 64, 64, batch=1, seq=4096, layout="replicated").fits
     # the published port's OOM at 8K x batch 8 (static batching: a prefill of 64K tokens at once) is reproduced ...
-    assert not plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=8).fits
+    assert not plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=8, layout="replicated").fits
     # ... and prefilling one sequence at a time (the engine's continuous batching, the default) fits
-    assert plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1).fits
-    assert plan(M3, 64, 64, batch=8, seq=8192) == plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1)
+    assert plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1, layout="replicated").fits
+    assert plan(M3, 64, 64, batch=8, seq=8192, layout="replicated") == plan(M3, 64, 64, batch=8, seq=8192,
+                                                                             ctx_batch=1, layout="replicated")
     # issue 14's long-context shapes with the port's chunks: 32K at batch 1 (4096-query chunks, 0.61 GiB headroom)
     # and 8K at batch 8 (continuous batching, 1024-query chunks)
-    assert plan(M3, 64, 64, batch=1, seq=32768).fits
+    assert plan(M3, 64, 64, batch=1, seq=32768, layout="replicated").fits
     # 1 x 128K in bf16: ~5.6 GiB of caches on top of ~12.9 GiB of weights and the reserve
-    big = plan(M3, 64, 64, batch=1, seq=131072)
+    big = plan(M3, 64, 64, batch=1, seq=131072, layout="replicated")
     assert big.kv_bytes + big.index_k_bytes == 131072 * (30_720 + 14_592)
     # BF16 weights on one trn2 at 32 x 128K cannot fit; the arithmetic says so
-    assert not plan(M3, 64, 64, batch=32, seq=131072, weights="fp8", ctx_batch=1).fits
-    assert plan(M3, 64, 64, 1, 4096).total_bytes == sum(
-        getattr(plan(M3, 64, 64, 1, 4096), f) for f in
+    assert not plan(M3, 64, 64, batch=32, seq=131072, weights="fp8", ctx_batch=1, layout="replicated").fits
+    assert plan(M3, 64, 64, 1, 4096, layout="replicated").total_bytes == sum(
+        getattr(plan(M3, 64, 64, 1, 4096, layout="replicated"), f) for f in
         ("weight_bytes", "kv_bytes", "index_k_bytes", "prefill_bytes", "reserve_bytes"))
 
 

@@ -109,7 +109,7 @@ def test_chunk_refusals_name_the_sizes_that_work():
 
 
 def test_decode_minimum_bytes_sharded_by_hand():
-    rep = decode_minimum_bytes(TINY, TP, EP, batch=1, bucket=64)
+    rep = decode_minimum_bytes(TINY, TP, EP, batch=1, bucket=64, layout="replicated")
     got = decode_minimum_bytes(TINY, TP, EP, batch=1, bucket=64, layout="sharded")
     per_key = 1 * 32 * 2 * 2  # 1 KV head x d x (K, V) x bf16
     assert got == {
@@ -119,8 +119,9 @@ def test_decode_minimum_bytes_sharded_by_hand():
         "kv_dense": 1 * (64 // 4) * per_key * 1,
     }
     assert {k: rep[k] // 4 for k in ("kv_sparse", "index_k", "kv_dense")} == {k: got[k] for k in got if k != "weights"}
-    # the library's default is the port's layout, which the graph report compares traced graphs against
-    assert PORT_LAYOUT == "replicated" and rep == decode_minimum_bytes(TINY, TP, EP, 1, 64, layout="replicated")
+    # the library's default is the port's layout (neuron.config's kv_layout default)
+    assert PORT_LAYOUT == "sharded" and got == decode_minimum_bytes(TINY, TP, EP, 1, 64)
+    assert rep == decode_minimum_bytes(TINY, TP, EP, 1, 64, layout="replicated")
 
 
 def test_chunk_flops_by_hand():
@@ -155,30 +156,34 @@ def test_chunk_bytes_by_hand():
         # 4 [32, 128] copies per layer; MoE rows: 32 x top-2 x 1/8 local + one 512-row block, x (2 x 128 + 2 x 64)
         "activations": 4 * 32 * 128 * 2 * 4 + (8 + 512) * (2 * 128 + 2 * 64) * 2 * 3,
     }
-    # today's port: 8 query chunks of 16 (ops.chunk_for); each rank gathers whole 16-key blocks for its own head,
-    # 1 block for the first chunk (its keys < 16 are 1 block), top-2 after; it scans the keys < t1 per query chunk
+    # the replicated layout: 8 query chunks of 16 (ops.chunk_for); each rank gathers whole 16-key blocks for its own
+    # head, top-2, except in the first two chunks (keys < 16 and < 32: at most 2 blocks), which ops.prefill attends
+    # densely (the K/V of their keys, every layer); it scans the keys < t1 per query chunk
     rep = chunk_bytes(TINY, TP, EP, 0, 128, 128, layout="replicated")
-    assert rep["gathered K/V"] == 16 * (1 + 7 * 2) * 16 * 2 * 32 * 2 * 3
+    assert rep["gathered K/V"] == 16 * 6 * 2 * 16 * 2 * 32 * 2 * 3
+    per_key = 2 * 32 * 2  # K and V, 1 KV head x d, bf16
+    assert rep["dense K/V"] == (16 + 32) * per_key * 4 + sum(16 * t for t in range(3, 9)) * per_key * 1
     assert rep["index-K"] == sum(16 * t for t in range(1, 9)) * 32 * 2 * 3
 
 
 def test_collectives_by_hand():
     rows = collectives(TINY, TP, EP, tokens=3)
     assert [(r["name"], r["kind"], r["ranks"], r["dtype"], r["bytes"], r["count"]) for r in rows] == [
+        ("embedding", "all-gather", 8, "bf16", 3 * 128 * 2, 1),  # NxD's embedding is sharded along hidden
         ("group queries", "all-gather", 4, "bf16", 3 * 4 * 32 * 2, 4),
         ("selection candidates", "all-gather", 4, "fp32", 3 * 1 * 4 * 2 * 2 * 4, 3),
         ("softmax maxima", "all-reduce (max)", 4, "fp32", 3 * 4 * 4, 4),
         ("partial outputs + sums", "reduce-scatter", 4, "fp32", 3 * 4 * 33 * 4, 4),
         ("attention output", "all-reduce", 8, "bf16", 3 * 128 * 2, 4),
         ("MLP / MoE output", "all-reduce", 8, "bf16", 3 * 128 * 2, 4),
-        ("LM head logits", "all-gather", 8, "fp32", 3 * 512 * 4, 1),
+        ("LM head logits", "all-gather", 8, "bf16", 3 * 512 * 2, 1),  # gathered before the fp32 cast
     ]
     assert [r["name"] for r in collectives(TINY, TP, EP, 3, "replicated")] == [
-        "attention output", "MLP / MoE output", "LM head logits"]
-    assert collectives(TINY, TP, EP, 32, logit_rows=1)[-1]["bytes"] == 512 * 4
+        "embedding", "attention output", "MLP / MoE output", "LM head logits"]
+    assert collectives(TINY, TP, EP, 32, logit_rows=1)[-1]["bytes"] == 512 * 2
     # ring: an all-reduce sends 2 x 7/8 of its buffer, an all-gather 7/8 of its output
-    assert link_seconds(rows[4]) == pytest.approx(768 * 7 / 8 * 2 / LINK_BYTES_PER_S)
-    assert link_seconds(rows[0]) == pytest.approx(768 * 3 / 4 / LINK_BYTES_PER_S)
+    assert link_seconds(rows[5]) == pytest.approx(768 * 7 / 8 * 2 / LINK_BYTES_PER_S)
+    assert link_seconds(rows[1]) == pytest.approx(768 * 3 / 4 / LINK_BYTES_PER_S)
 
 
 def test_ttft_adds_up_the_calls():
@@ -187,12 +192,12 @@ def test_ttft_adds_up_the_calls():
     flop = [sum(chunk_flops(TINY, TP, EP, k, n, 80).values()) / PEAK_FLOPS_PER_S for k, n in calls]
     hbm = [sum(chunk_bytes(TINY, TP, EP, k, n, 80).values()) / 725e9 for k, n in calls]
     link = sum(link_seconds(r) * r["count"] for r in collectives(TINY, TP, EP, 32, logit_rows=1))
-    assert (t.calls, t.chunk, t.collectives) == (3, 32, 3 * 24)  # 4 + 3 + 4 + 4 + 4 + 4 + 1 per call
+    assert (t.calls, t.chunk, t.collectives) == (3, 32, 3 * 25)  # 1 + 4 + 3 + 4 + 4 + 4 + 4 + 1 per call
     assert t.flop_s == pytest.approx(sum(flop)) and t.hbm_s == pytest.approx(sum(hbm))
     assert t.bound_s == pytest.approx(sum(max(f, b, link) for f, b in zip(flop, hbm)))
-    assert t.total_s == pytest.approx(t.bound_s + 72 * COLLECTIVE_LATENCY_S)
+    assert t.total_s == pytest.approx(t.bound_s + 75 * COLLECTIVE_LATENCY_S)
     one = ttft(TINY, TP, EP, seq=80, layout="replicated")
-    assert (one.calls, one.chunk, one.collectives) == (1, 80, 9)
+    assert (one.calls, one.chunk, one.collectives) == (1, 80, 10)
 
 
 def test_largest_fit_bisection():
@@ -219,7 +224,7 @@ def test_require_fit_names_the_largest_that_fit():
     assert f"largest context at batch 8: {ctx} tokens" in str(e.value)
     assert f"largest batch at 1048576 tokens: {bat}" in str(e.value)
     with pytest.raises(FitError) as e:
-        require_fit(M3, 64, 64, 1, 131072)  # today's port
+        require_fit(M3, 64, 64, 1, 131072, layout="replicated")
     assert e.value.largest_batch == 0 and "not even batch 1 fits at 131072 tokens" in str(e.value)
     with pytest.raises(ChunkError):  # before any fit
         require_fit(M3, 64, 64, 64, 1 << 20, layout="sharded", chunk=1000)

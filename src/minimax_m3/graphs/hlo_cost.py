@@ -14,11 +14,19 @@ is the unoptimised one NxD hands to neuronx-cc, so every figure is what the comp
   updated buffer is followed on); any other use reads the whole buffer.
 * **state copies**: a value reached from a state through data-movement ops only (:data:`MOVE_OPS`), with at
   least ``fraction`` of the state's elements (the bucket's share of the cache in token generation), that is
-  not a view, not a partial read smaller than the state, not on the in-place chain (updates and views) that
+  not a view, not a partial read smaller than the state nor a gather larger than it (slots repeated: each query's
+  blocks, counted as gathered K/V), not on the in-place chain (updates and views) that
   ends at the state's aliased output, and not structurally identical to a chain instruction (XLA's CSE would
   merge it): e.g. a second scatter into the parameter, a ``copy``, a ``concatenate`` rebuilding the buffer,
   a ``select`` over it.
-Also: instruction counts, collectives by kind, custom calls by target.
+* **gathered K/V**: the bytes of every floating-point ``gather`` whose deciding frame is attention code (the rule
+  table's ``attention`` class): the blocks of K and V a sparse layer gathers per query (a block read by several
+  queries counts once per query), what ``ops.sharded.gathered_kv_bytes`` and the planner count.
+* **collectives**: each op with its kind (an all-reduce or reduce-scatter named by its reduction when it is not a
+  sum: ``all-reduce (max)``), dtype, output shape, replica groups and bytes, the full buffer on each rank as the
+  planner counts them (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer); and the same
+  summed by kind, dtype and group size.
+Also: instruction counts, custom calls by target.
 """
 
 from __future__ import annotations
@@ -49,6 +57,9 @@ DOT_RULES: tuple[tuple[str, str | None, tuple[int, int] | None, str], ...] = (
     ("minimax_m3/ops/attention.py", None, None, "attention"),
     ("minimax_m3/ops/prefill.py", None, None, "attention"),
     ("minimax_m3/ops/indexer.py", None, None, "indexer"),
+    ("minimax_m3/ops/sharded_step.py", "block_scores", None, "indexer"),  # the active index keys' scores
+    ("minimax_m3/ops/sharded_step.py", "residue", None, "rest"),  # the rank's share of a call's own keys
+    ("minimax_m3/ops/sharded_step.py", None, None, "attention"),
     ("neuronx_distributed/modules/moe/routing.py", None, None, "rest"),
     ("neuronx_distributed/modules/moe/shared_experts.py", None, None, "rest"),
     ("neuronx_distributed/modules/moe/", None, None, "routed_experts"),
@@ -203,6 +214,49 @@ def _group_size(ins) -> int | None:
     return iota.num_devices_per_group or None
 
 
+def replica_groups(ins) -> list[list[int]]:
+    """The explicit replica groups of a collective (empty when it has none, or iota groups)."""
+    return [list(g.replica_ids) for g in (ins.replica_groups or ins.collective_device_list.replica_groups)]
+
+
+REDUCTIONS = {"add": "", "maximum": " (max)", "minimum": " (min)", "multiply": " (mul)"}
+
+
+def collective_kind(mod: "Module", ins) -> str:
+    """``all-gather``, ``all-reduce``, ``all-reduce (max)``, ``reduce-scatter``, ...: the reducing collectives
+    named by the root of their reduction computation when it is not a sum."""
+    kind = COLLECTIVES[ins.opcode]
+    if kind in ("all-reduce", "reduce-scatter") and ins.called_computation_ids:
+        comp = mod.comps.get(ins.called_computation_ids[0])
+        root = next((i for i in comp.instructions if i.id == comp.root_id), None) if comp else None
+        if root is not None:
+            kind += REDUCTIONS.get(root.opcode, f" ({root.opcode})")
+    return kind
+
+
+def _array(shape):
+    """The first array of a (token-carrying) tuple shape, or the shape itself."""
+    return shape if shape.dimensions or not shape.tuple_shapes else shape.tuple_shapes[0]
+
+
+def collective_bytes(kind: str, out_shape, operand_shapes) -> int:
+    """The full buffer on each rank: an all-gather's output, a reduce-scatter's input, an all-reduce's buffer (its
+    data operands; torch-xla threads a token through as a second, empty operand)."""
+    data = [s for s in operand_shapes if s.dimensions]
+    if kind.startswith("all-gather"):
+        return nbytes(_array(out_shape))
+    return sum(nbytes(s) for s in data)
+
+
+def _where(frames) -> str:
+    """``file:function:line`` of the first frame outside torch and NxD's collective wrappers."""
+    skip = PASS_THROUGH + ("/parallel_layers/comm.py", "/parallel_layers/mappings.py", "/minimax_m3/neuron/nxd_compat")
+    for path, func, line in frames:
+        if not any(s in path.replace("\\", "/") for s in skip):
+            return f"{path.rsplit('/', 1)[-1]}:{func}:{line}"
+    return ""
+
+
 def _structural_keys(mod: Module) -> dict[tuple, int]:
     """A hash per node equal for instructions XLA's CSE would merge (same op, attributes and operands)."""
     keys: dict[tuple, int] = {}
@@ -289,7 +343,8 @@ def analyze_module(module, states: dict[int, float] | None = None) -> dict:
     flops = dict.fromkeys(DOT_CLASSES, 0)
     custom: dict[str, dict] = {}
     coll: dict[tuple, dict] = {}
-    notes, bare = [], 0
+    coll_ops: list[dict] = []
+    notes, bare, gathered = [], 0, 0
     loose_shapes = {i.id: i.shape for c in mod.loose_comps for i in mod.comps[c].instructions}
     for node, ins in mod.all_instructions():
         op = ins.opcode
@@ -313,14 +368,21 @@ def analyze_module(module, states: dict[int, float] | None = None) -> dict:
             elif ins.custom_call_target not in KNOWN_CUSTOM_CALLS:
                 c["counted"] = False
         elif op in COLLECTIVES:
-            kind = COLLECTIVES[op]
-            opnd = sum(nbytes(shapes[o]) for o in mod.operands[node]) if node else nbytes(ins.shape)
-            key = (kind, dtype_name(ins.shape if ins.shape.dimensions or not ins.shape.tuple_shapes
-                                    else ins.shape.tuple_shapes[0]), _group_size(ins))
+            kind = collective_kind(mod, ins)
+            opnd = [shapes[o] for o in mod.operands[node]] if node else [ins.shape]
+            size = collective_bytes(kind, ins.shape, opnd)
+            dtype = dtype_name(_array(ins.shape))
+            key = (kind, dtype, _group_size(ins))
             e = coll.setdefault(key, {"kind": kind, "dtype": key[1], "group_size": key[2], "count": 0,
                                       "bytes": 0})
             e["count"] += 1
-            e["bytes"] += opnd
+            e["bytes"] += size
+            coll_ops.append({"kind": kind, "dtype": dtype, "shape": list(_array(ins.shape).dimensions),
+                             "bytes": size, "group_size": key[2], "replica_groups": replica_groups(ins),
+                             "where": _where(mod.frames(ins))})
+        elif op == "gather" and node is not None and dtype_name(ins.shape).startswith(("f", "bf")) \
+                and classify(mod.frames(ins)) == "attention":
+            gathered += nbytes(ins.shape)
         elif op == "while":
             notes.append("a while loop: its body is counted once (trip count not read)")
     if bare:
@@ -344,6 +406,8 @@ def analyze_module(module, states: dict[int, float] | None = None) -> dict:
         "custom_calls": {t: c["count"] for t, c in sorted(custom.items())},
         "uncounted_custom_calls": uncounted,
         "collectives": sorted(coll.values(), key=lambda e: (e["kind"], e["dtype"], e["group_size"] or 0)),
+        "collective_ops": coll_ops,
+        "gathered_kv": gathered,
         "reads": reads,
         "copies": {p: len(c) for p, c in copy_ops.items()},
         "copy_bytes": {p: sum(b for _, b in c) for p, c in copy_ops.items()},
@@ -401,6 +465,8 @@ def _state_copies(mod: Module, states: dict[int, float], shapes) -> dict[int, li
                 continue
             if ins.opcode in PART_READ_OPS and numel(ins.shape) < numel(shapes[node]):
                 continue
+            if ins.opcode == "gather" and numel(ins.shape) > numel(shapes[node]):
+                continue  # slots repeated (each query's blocks): the gathered K/V, not a copy of the state
             if ins.shape.tuple_shapes or numel(ins.shape) < threshold:
                 continue
             if chain_keys is None:

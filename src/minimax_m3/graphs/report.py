@@ -22,13 +22,13 @@ from google.protobuf.message import DecodeError
 from .._atomic import write_atomic
 from ..config.m3 import ConfigError, M3Config
 from . import hlo_cost, hlo_schema
+from .table import STATE_KINDS, format_report
 from .. import planner as plan
 from ..errors import M3Error
 
 MANIFEST = "dry_run.json"
 REPORT = "graphs.json"
 SUBMODELS = ("context_encoding_model", "token_generation_model")
-STATE_KINDS = ("kv_dense", "kv_sparse", "index_k")
 _CACHE_NAME = re.compile(r"past_key_values\.(\d+)$")
 
 
@@ -141,21 +141,47 @@ def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
         "hlo": g["hlo"], "command": g.get("command"),
         "instructions": a["instructions"], "entry_instructions": a["entry_instructions"],
         "flops": a["flops"], "bytes_read": reads, "state_copies": copies, "state_copy_bytes": copy_bytes,
-        "collectives": a["collectives"], "custom_calls": a["custom_calls"],
+        "collectives": a["collectives"], "collective_ops": a["collective_ops"], "gathered_kv": a["gathered_kv"],
+        "custom_calls": a["custom_calls"],
         "uncounted_custom_calls": a["uncounted_custom_calls"], "notes": notes,
+        "params": g.get("params"), "trace_checks": g.get("trace_checks"),
     }
 
 
+def kv_layout(man: dict) -> str:
+    """The traced caches' layout (``sharded`` / ``replicated``; a manifest from before the field: replicated)."""
+    return man["layout"].get("kv_layout", "replicated")
+
+
 def analytic(cfg: M3Config, man: dict, g: dict) -> dict:
-    """The planner's minimum for the same shapes (empty when the layout cannot be planned)."""
+    """The planner's minimum for the same shapes and cache layout (an ``error`` when the layout cannot be planned).
+
+    Token generation: :func:`planner.decode_minimum_bytes` (the sparse layers' selected blocks are also the gathered
+    K/V). Context encoding, replicated: :func:`planner.prefill_flops` of a prompt as long as the bucket, the port's
+    query chunks' gathered K/V (:func:`planner.chunk_bytes`); sharded, a call graph of C = bucket tokens over cache
+    lines of ``max_length`` tokens: the last call of a ``max_length`` prompt (:func:`planner.chunk_flops`,
+    :func:`planner.chunk_bytes` from ``max_length - C``), the call the one graph must be able to serve. Collectives:
+    :func:`planner.collectives` of the pass (a decode step of ``batch`` tokens, a call of ``batch x bucket``)."""
     tp, ep = man["layout"]["tp"], man["layout"]["ep"]
     batch = g.get("batch", man.get("batch_size", 1))
     size = 4 if str(man.get("dtype", "bfloat16")) in ("float32", "torch.float32") else 2
+    layout, weights = kv_layout(man), man.get("weights", "bf16")
     try:
         if g["submodel"] == "token_generation_model":
-            return {"bytes_read": plan.decode_minimum_bytes(cfg, tp, ep, batch, g["bucket"], man.get("weights", "bf16"),
-                                                            dtype_bytes=size)}
-        return {"flops": plan.prefill_flops(cfg, tp, ep, batch, g["bucket"])}
+            b = plan.decode_minimum_bytes(cfg, tp, ep, batch, g["bucket"], weights, dtype_bytes=size, layout=layout)
+            return {"bytes_read": b, "gathered_kv": b["kv_sparse"],
+                    "collectives": plan.collectives(cfg, tp, ep, batch, layout)}
+        coll = plan.collectives(cfg, tp, ep, batch * g["bucket"], layout, logit_rows=batch)
+        if layout == "sharded":
+            seq = max(man.get("max_length") or g["bucket"], g["bucket"])
+            start = seq - g["bucket"]
+            flops = {k: v * batch for k, v in plan.chunk_flops(cfg, tp, ep, start, g["bucket"], seq).items()}
+            gathered = plan.chunk_bytes(cfg, tp, ep, start, g["bucket"], seq, weights)["gathered K/V"]
+        else:
+            flops = plan.prefill_flops(cfg, tp, ep, batch, g["bucket"])
+            gathered = plan.chunk_bytes(cfg, tp, ep, 0, g["bucket"], g["bucket"], weights,
+                                        layout=layout)["gathered K/V"]
+        return {"flops": flops, "gathered_kv": batch * gathered * size // 2, "collectives": coll}
     except plan.PlanError as exc:
         return {"error": str(exc)}
 
@@ -175,89 +201,6 @@ def analyze_dir(path: str | Path, write: bool = True) -> dict:
     if write:
         write_atomic(root / REPORT, (json.dumps(out, indent=1) + "\n").encode())
     return out
-
-
-# ---- the table ------------------------------------------------------------------------------------
-def _si(n: float | None, unit: str) -> str:
-    if n is None:
-        return "-"
-    for div, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= div:
-            return f"{n / div:.3g} {prefix}{unit}"
-    return f"{n:g} {unit}".rstrip()
-
-
-def _rows(g: dict) -> list[tuple[str, float | None, float | None, str]]:
-    """(label, graph value, analytic value, unit) for one graph."""
-    an = g["analytic"]
-    rows = [("HLO instructions (all)", g["instructions"], None, ""),
-            ("HLO instructions (entry)", g["entry_instructions"], None, "")]
-    af = an.get("flops", {})
-    for cls in hlo_cost.DOT_CLASSES:
-        rows.append((f"dot FLOPs {cls.replace('_', ' ')}", g["flops"][cls], af.get(cls), "FLOP"))
-    rows.append(("dot FLOPs total", sum(g["flops"].values()), sum(af.values()) if af else None, "FLOP"))
-    ab = an.get("bytes_read", {})
-    for key, label in (("weights", "weights"), ("kv_dense", "K/V dense layers"),
-                       ("kv_sparse", "K/V sparse layers"), ("index_k", "index-K")):
-        rows.append((f"bytes read: {label}", g["bytes_read"][key], ab.get(key), "B"))
-    for key in STATE_KINDS:
-        rows.append((f"state copies: {key.replace('_', ' ')}", g["state_copies"][key], 0 if ab else None, ""))
-    rows.append(("state copies: bytes written", sum(g["state_copy_bytes"].values()), 0 if ab else None, "B"))
-    for c in g["collectives"]:
-        name = f"{c['kind']} {c['dtype']} x{c['group_size'] or 'all'}"
-        rows.append((f"{name}: count", c["count"], None, ""))
-        rows.append((f"{name}: bytes", c["bytes"], None, "B"))
-    for target, n in g["custom_calls"].items():
-        flag = " (uncounted)" if target in g["uncounted_custom_calls"] else ""
-        rows.append((f"custom call {target}{flag}", n, None, ""))
-    return rows
-
-
-def _ratio(v, ref) -> str:
-    if v is None or not ref:
-        return "-"
-    r = v / ref
-    return f"{r:.2f}" + ("" if 0.9 <= r <= 1.1 else " !")
-
-
-def format_report(reports: list[dict]) -> str:
-    """One table per submodel x bucket x batch; one column per directory, then the analytic minimum (from the
-    first directory's config) and each directory's ratio to it (``!`` beyond 10 %)."""
-    names = [r["port"] for r in reports]
-    if len(set(names)) < len(names):
-        names = [f"{r['port']} ({Path(r['dir']).name})" for r in reports]
-    keys = []
-    for r in reports:
-        keys += [k for k in ((g["submodel"], g["bucket"], g["batch"]) for g in r["graphs"]) if k not in keys]
-    first = reports[0]
-    out = [f"per rank, layout {json.dumps(first['layout'])}, dtype {first['dtype']}, "
-           f"max_length {first['max_length']}"]
-    for key in keys:
-        per = [next((g for g in r["graphs"] if (g["submodel"], g["bucket"], g["batch"]) == key), None)
-               for r in reports]
-        ref = next(g for g in per if g is not None)
-        table: dict[str, list] = {}
-        for i, g in enumerate(per):
-            for label, val, an, unit in _rows(g) if g else []:
-                row = table.setdefault(label, [None] * len(per) + [None, unit])
-                row[i] = val
-                if g is ref:
-                    row[len(per)] = an
-        head = ["", *names, "analytic", *[f"{n}/analytic" for n in names]]
-        lines = [head]
-        for label, row in table.items():
-            vals, an, unit = row[:len(per)], row[len(per)], row[-1]
-            lines.append([label, *[_si(v, unit) for v in vals], _si(an, unit), *[_ratio(v, an) for v in vals]])
-        widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
-        out.append(f"\n== {key[0]}  bucket {key[1]}  batch {key[2]} ==")
-        out += ["  ".join(str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in
-                          enumerate(zip(line, widths))).rstrip() for line in lines]
-        for name, g in zip(names, per):
-            for note in (g or {}).get("notes", []):
-                out.append(f"note ({name}): {note}")
-            if g and "error" in g["analytic"]:
-                out.append(f"note ({name}): no analytic minimum: {g['analytic']['error']}")
-    return "\n".join(out)
 
 
 def run(args: argparse.Namespace) -> int:

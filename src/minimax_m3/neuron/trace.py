@@ -95,7 +95,7 @@ def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> P
     manifest = {
         "format": 1, "port": port,
         "layout": {"tp": nc.tp_degree, "ep": getattr(nc, "moe_ep_degree", 1), "lnc": nc.logical_nc_config,
-                   "world_size": nc.world_size, "rank": 0},
+                   "world_size": nc.world_size, "rank": 0, **cache_layout(app.config)},
         "dtype": str(nc.torch_dtype).replace("torch.", ""), "batch_size": nc.batch_size,
         "max_length": nc.max_length, "model": model_config.fields_dict(), "graphs": graphs,
         "weights": "fp8" if getattr(nc, "quantized", False) else "bf16",  # routed experts (checkpoint.fp8_experts)
@@ -103,6 +103,16 @@ def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> P
     path = out / "dry_run.json"
     write_atomic(path, (json.dumps(manifest, indent=1) + "\n").encode())
     return path
+
+
+def cache_layout(config) -> dict:
+    """The KV caches' layout of an NxDI config: ``kv_layout`` (``sharded``: each KV head's K/V and index-K split
+    over its ``kv_group`` ranks; ``replicated``: NxDI's GQA copies, also any port without the attribute) and
+    ``prefill_chunk`` (tokens per context-encoding call; None: a prompt in one call)."""
+    group = int(getattr(config, "num_cores_per_group", 1) or 1)
+    layout = "sharded" if getattr(config, "kv_layout", None) == "sharded" and group > 1 else "replicated"
+    return {"kv_layout": layout, "kv_group": group if layout == "sharded" else 1,
+            "prefill_chunk": getattr(config, "prefill_chunk", None)}
 
 
 def _under(p: Path, root: Path) -> bool:

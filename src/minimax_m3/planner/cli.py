@@ -82,7 +82,7 @@ def format_collectives(c: M3Config, tp: int, ep: int, batch: int, chunk: int) ->
         lines.append(f"  {d['name']:<24}{d['kind']:<18}{d['ranks']:>5}  {d['dtype']:<6}{d['count']:>5}  "
                      f"{_size(d['bytes']):>14}  {_size(p['bytes']):>15}")
     rep = collectives(c, tp, ep, batch, "replicated")
-    for what, rows in (("decode step", dec), ("prefill call", pre), ("decode step of today's port", rep)):
+    for what, rows in (("decode step", dec), ("prefill call", pre), ("decode step, replicated layout", rep)):
         n = sum(r["count"] for r in rows)
         link = sum(link_seconds(r) * r["count"] for r in rows)
         lines.append(f"  per {what}: {n} collectives, {n * COLLECTIVE_LATENCY_S * 1e3:.2f} ms at "
@@ -107,7 +107,7 @@ def format_table(c: M3Config, tp: int, ep: int, batch: int, kw: dict, chunk: int
     g = tp // c.num_kv_heads if tp > c.num_kv_heads else 1
     lines = [f"batch {batch}, tp {tp} / ep {ep}, {kw.get('weights', 'bf16')} experts, KV {kw.get('kv_dtype', 'bf16')}"
              f", GiB per rank of {kw.get('hbm_gib', HBM_PER_RANK_GIB):.2f}; TTFT of a prompt as long as the context:",
-             f"{'':>8} | {'replicated (today)':<32} | sharded (caches / {g}, chunked prefill)",
+             f"{'':>8} | {'replicated (GQA copies)':<32} | sharded (caches / {g}, chunked prefill)",
              f"{'context':>8} | {'GiB':>7} {'fits':>4} {'decode ms':>9} {'TTFT s':>8} | {'chunk':>6} {'GiB':>7} "
              f"{'fits':>4} {'decode ms':>9} {'TTFT s':>8}"]
     for s in contexts:
@@ -138,7 +138,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, required=True, help="sequences decoded together")
     ap.add_argument("--seq", type=int, required=True, help="maximum tokens per sequence (prompt + output)")
     ap.add_argument("--layout", choices=LAYOUTS, default="sharded",
-                    help="cache layout of the detailed plan (default sharded; replicated = today's port)")
+                    help="cache layout of the detailed plan (default sharded, the port's; replicated: NxDI's GQA "
+                         "copies)")
     ap.add_argument("--chunk", type=int, default=None,
                     help="sharded: tokens per prefill call, a multiple of lcm(block, G) (default: chosen)")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="routed-expert weight format")

@@ -13,7 +13,7 @@ Figures (trn2.48xlarge at LNC 2, one logical core = two NeuronCore-v3; ``docs/pe
 
 TTFT of a prompt of S tokens = sum over its prefill calls of max(FLOP time, HBM time, link time) (each a floor, the
 three overlapped) + collectives x 25 µs. Sharded: ceil(S / C) calls of C tokens, call k attending to the keys
-< its end; replicated (today's port): one call of S tokens. Nothing here ran on Trainium.
+< its end; replicated: one call of S tokens. Nothing here ran on Trainium.
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     * index-K: ``batch x bucket / G' x index_head_dim`` per sparse layer;
     * dense layers' K/V: ``batch x bucket / G' x kv_heads x head_dim x 2`` per dense layer;
 
-    G' = 1 for the ``replicated`` layout (today's port: what the graph report compares traced graphs against),
-    G (each rank reads its 1/G of every block and key, rounded up) for ``sharded``. ``dtype_bytes`` is the
-    model's element size (4 for a float32 trace): it scales every bf16 weight and, with ``kv_dtype="bf16"``, the
-    caches (fp32 routers and fp8 experts keep their size)."""
+    G' = 1 for the ``replicated`` layout, G (each rank reads its 1/G of every block and key, rounded up) for
+    ``sharded`` (the port's). The graph report compares each traced graph against its own layout's. ``dtype_bytes``
+    is the model's element size (4 for a float32 trace): it scales every bf16 weight and, with ``kv_dtype="bf16"``,
+    the caches (fp32 routers and fp8 experts keep their size)."""
     w = sum(weights_read(c, tp, ep, batch, weights, dtype_bytes).values())
     g = group_size(c, tp) if layout == "sharded" else 1
     kvb = dtype_bytes if kv_dtype == "bf16" else 1
@@ -99,8 +99,8 @@ def _per_token_flops(c: M3Config, tp: int) -> int:
 
 
 def prefill_flops(c: M3Config, tp: int, ep: int, batch: int, seq: int) -> dict[str, int]:
-    """Useful dot FLOPs of one context-encoding pass of ``batch x seq`` tokens from position 0, per rank (today's
-    port: the whole prompt in one call).
+    """Useful dot FLOPs of one context-encoding pass of ``batch x seq`` tokens from position 0, per rank (the
+    replicated layout: the whole prompt in one call).
 
     * attention: sparse layers ``sum_i min(i + 1, topk x block)`` keys per query, dense layers every causal
       key, ``x head_dim x 4`` (scores and values) per query head of this rank;
@@ -155,8 +155,10 @@ def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int,
     * index-K: the keys ``< e`` (e = the call's end), the rank's 1/G' of them, per sparse layer, once per query
       chunk (replicated: the port's query chunks each read the keys before their end);
     * gathered K/V: per sparse layer and query, ``min(topk, blocks < e)`` blocks of ``block / G'`` keys, K and V
-      (sharded: once per group, shared by its G heads; replicated: each rank its own head's);
-    * dense K/V: the keys ``< e`` (1/G'), K and V, per dense layer and query chunk;
+      (sharded: once per group, shared by its G heads; replicated: each rank its own head's, in the query chunks
+      whose keys span more than ``topk`` blocks: ``ops.prefill`` attends the others densely);
+    * dense K/V: the keys ``< e`` (1/G'), K and V, per dense layer and query chunk (replicated: also per sparse layer
+      in the query chunks it attends densely);
     * activations: 4 ``[chunk, hidden]`` bf16 copies per layer (residual, normed input, attention output, MLP
       output), and per MoE layer the blockwise rows the rank's experts get (:func:`_moe_rows_read`), tokens in,
       gate/up, out. G' = 1 replicated, G sharded."""
@@ -169,8 +171,12 @@ def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int,
     for t0 in range(start, e, qc):  # the port's query chunks (one for a sharded call)
         t1 = min(t0 + qc, e)
         index_k += -(-t1 // g) * c.index_head_dim * kvb * n_sparse
+        keys = -(-t1 // g) * 2 * kv * c.head_dim * kvb  # K and V of the keys < t1, this rank's share
+        if layout == "replicated" and -(-t1 // bs) <= c.index_topk:  # every block selected: attended densely
+            dense += keys * c.num_layers
+            continue
         gathered += (t1 - t0) * min(c.index_topk, -(-t1 // bs)) * -(-bs // g) * 2 * kv * c.head_dim * kvb * n_sparse
-        dense += -(-t1 // g) * 2 * kv * c.head_dim * kvb * (c.num_layers - n_sparse)
+        dense += keys * (c.num_layers - n_sparse)
     moe_width = 2 * c.hidden_size + 2 * c.intermediate_size // sharding.moe_tp(tp, ep)
     return {
         "weights": sum(weights_read(c, tp, ep, chunk, weights).values()),
@@ -189,9 +195,12 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
     buffer on each rank: an all-gather's output, a reduce-scatter's input, an all-reduce's buffer) and ``count``
     (how many run per pass: the layers it runs in).
 
-    Both layouts: the attention output projection's all-reduce and the MLP's (experts + shared expert, or the
-    dense MLP) over all ``tp`` ranks, bf16 ``[T, hidden]``; the LM head's logits all-gather, fp32
-    ``[logit_rows, vocab]``, once per pass (``logit_rows`` defaults to ``tokens``; a prefill call's is 1).
+    Both layouts: the embedding's all-gather (NxD's embedding is sharded along the hidden size), bf16 ``[T,
+    hidden]``, once per pass; the attention output projection's all-reduce and the MLP's (experts + shared expert,
+    or the dense MLP) over all ``tp`` ranks, bf16 ``[T, hidden]``; the LM head's logits all-gather, bf16 (the
+    model's dtype: the cast to fp32 comes after it) ``[logit_rows, vocab padded to tp]``, once per pass
+    (``logit_rows`` defaults to ``tokens``; a prefill call's is its rows' last tokens). As the traced graphs have
+    them (``test/hlo/test_sharded_graphs.py``).
     Sharded, per attention layer, within the G ranks of a KV group: the group's queries (all-gather, bf16
     ``[T, qg, d]``), the softmax maxima (all-reduce max, fp32 ``[T, qg]``) and the partial outputs with their sums
     (reduce-scatter, fp32 ``[T, qg, d + 1]``, each rank keeping its own heads); sparse layers also all-gather the
@@ -213,12 +222,12 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
             dict(name="partial outputs + sums", kind="reduce-scatter", ranks=g, dtype="fp32",
                  bytes=tokens * qg * (d + 1) * FP32, count=L),
         ]
-    rows += [
-        dict(name="attention output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
-        dict(name="MLP / MoE output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
-        dict(name="LM head logits", kind="all-gather", ranks=tp, dtype="fp32",
-             bytes=(tokens if logit_rows is None else logit_rows) * -(-c.vocab_size // tp) * tp * FP32, count=1),
-    ]
+    rows = [dict(name="embedding", kind="all-gather", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=1),
+            *rows,
+            dict(name="attention output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
+            dict(name="MLP / MoE output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
+            dict(name="LM head logits", kind="all-gather", ranks=tp, dtype="bf16",
+                 bytes=(tokens if logit_rows is None else logit_rows) * -(-c.vocab_size // tp) * tp * BF16, count=1)]
     return [r for r in rows if r["ranks"] > 1]
 
 

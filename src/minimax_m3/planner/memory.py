@@ -3,10 +3,11 @@
 Two cache layouts (``LAYOUTS``); G = ``tp / num_kv_heads`` is the group of ranks that share a KV head
 (:func:`group_size`; 16 for M3 at TP 64):
 
-* ``replicated``, what today's port runs (``PORT_LAYOUT``): each KV head's K and V stored whole on the G ranks of
-  its group, the single index-K head on every rank; a prompt prefilled in ONE call whose attention walks query
-  chunks of ``ops.prefill.chunk_for`` (the port's rule), so its working memory grows with the prompt.
-* ``sharded`` (issue 23, design notes 1 and 4): token p of a group lives on group rank ``p mod G`` at slot
+* ``replicated`` (the port's ``kv_layout="replicated"``, NxDI's GQA layout): each KV head's K and V stored whole
+  on the G ranks of its group, the single index-K head on every rank; a prompt prefilled in ONE call whose attention
+  walks query chunks of ``ops.prefill.chunk_for`` (the port's rule), so its working memory grows with the prompt.
+* ``sharded`` (issue 23, design notes 1 and 4; what the port runs, ``PORT_LAYOUT``, its ``kv_layout`` default):
+  token p of a group lives on group rank ``p mod G`` at slot
   ``p div G``, so K/V and index-K take 1/G per rank; a prompt is prefilled in calls of C tokens (the chunk, a
   multiple of ``lcm(block, G)``, at most the context bucket), each attending to the cache the earlier calls wrote:
   its working memory is that of ONE chunk at any context.
@@ -51,7 +52,7 @@ FP8 = 1  # e4m3 routed-expert weight; plus an fp32 scale per expert and output c
 HBM_BYTES_PER_S = 725e9  # one logical core's share of trn2 HBM bandwidth at LNC=2 (docs/perf_anchors.md)
 SHARD_ON_I_MULTIPLE = 256  # NxDI SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP (pads I/moe_tp with shard-on-I kernels)
 LAYOUTS = ("replicated", "sharded")
-PORT_LAYOUT = "replicated"  # what today's port runs: the library's default and the graph report's minimum
+PORT_LAYOUT = "sharded"  # what the port runs (neuron.config's kv_layout default): the library's default
 MAX_CHUNK = sharding.MAX_PREFILL_CHUNK  # the default prefill chunk's cap (chunk_choices)
 
 
@@ -192,7 +193,7 @@ def chunk_problems(c: M3Config, tp: int, seq: int, chunk: int) -> list[str]:
 
 def attention_chunk_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chunk: int | None = None
                           ) -> dict[str, int]:
-    """Replicated layout: per-rank bytes one query chunk of today's prefill creates (its last chunk, whose keys
+    """Replicated layout: per-rank bytes one query chunk of a one-call prefill creates (its last chunk, whose keys
     reach ``seq``), as ``ops.prefill_step`` builds it, all counted live at once.
 
     Sparse layers (when ``seq`` holds more than ``index_topk`` blocks; fewer and every chunk is dense causal):
@@ -337,7 +338,7 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
         raise PlanError("tp, ep, batch, seq, chunks, max_chunk and moe_block must be positive")
     ctx_batch = 1 if ctx_batch is None else ctx_batch  # what NeuronEngine runs: one request per prefill
     if layout == "replicated" and chunk is not None:
-        raise PlanError("a prefill chunk (tokens per call) is the sharded layout's; today's port (replicated) "
+        raise PlanError("a prefill chunk (tokens per call) is the sharded layout's; the replicated layout "
                         "prefills a prompt in one call")
     if layout == "sharded" and ctx_batch != 1:
         raise PlanError("the sharded layout prefills one request per call (ctx_batch 1)")

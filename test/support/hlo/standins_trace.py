@@ -159,6 +159,9 @@ def generate_hlo(func, example_inputs, input_output_aliases, inline_weights_to_n
                  for t, i in zip(example_inputs, inputs)]
         checks["same_graph_at_other_positions"] = (
             _fingerprint(module) == _fingerprint(hlo_schema.parse_module(_lower(func, other)[0].hlo())))
+    if PROBE_CHUNKS and not _is_decode(inputs):
+        checks["same_graph_at_chunks"] = {str(k): _fingerprint(module) == _fingerprint(hlo_schema.parse_module(
+            _lower(func, _chunk_inputs(example_inputs, inputs, k, dev))[0].hlo())) for k in PROBE_CHUNKS}
 
     order: list[tuple[int, str, str, torch.Tensor]] = []  # (old parameter number, role, name, tensor)
     seen: set[int] = set()
@@ -220,6 +223,19 @@ def generate_hlo(func, example_inputs, input_output_aliases, inline_weights_to_n
 
 
 PROBE_POSITIONS = os.environ.get("HLO_PROBE_POSITIONS", "1") == "1"
+
+
+# chunk indices k at which each context-encoding bucket is lowered again (``dry_run --probe-chunks``); empty: none
+PROBE_CHUNKS: tuple[int, ...] = ()
+POSITION_INPUT = 2  # NxDI's example inputs: input_ids, attention_mask, position_ids, seq_ids, sampling_params, ...
+
+
+def _chunk_inputs(example_inputs, inputs, k: int, dev) -> list:
+    """A context-encoding bucket's inputs as the call of chunk ``k`` of a longer prompt: positions ``k x C ..``
+    (C = the bucket's width), every other input unchanged."""
+    width = example_inputs[0].shape[1]
+    return [(t + k * width).to(dev) if i == POSITION_INPUT else d
+            for i, (t, d) in enumerate(zip(example_inputs, inputs))]
 
 
 def _is_decode(inputs) -> bool:
