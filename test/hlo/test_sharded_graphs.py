@@ -11,7 +11,8 @@ G = 16 ranks per KV head, one KV head and 16 query heads per group, hidden 6144,
 * a sparse layer's prefill gathers, per query, 16 blocks x 8 keys of K and V for the 16 heads of its group:
   ``T x 65,536`` bytes (= T/16 queries per rank x 1 MiB); target <= 1.5x, and >= 10x less than the replicated layout
   (each rank ``T x 1 MiB`` for its own head) at 8K and 32K;
-* the collectives of each layer, kind, dtype, shape and bytes, over the 4 groups of 16 consecutive ranks;
+* the collectives of each layer, kind, dtype, shape and bytes, over the 4 groups of 16 consecutive ranks (2 per
+  layer in decode: one all-gather, one all-to-all);
 * the context-encoding graph of a chunk C is one graph whatever chunk of a 128K prompt it serves (the same module
   when lowered at the positions of chunk 2 and chunk 16);
 * the decode floor at batch 32 / 4K of the 60-layer model, from three traced layer mixes: <= 20 ms bf16, <= 11 ms fp8,
@@ -87,21 +88,32 @@ def _ops(g: dict) -> dict[tuple, int]:
 
 
 def test_collectives_per_layer_by_hand(long):
-    """A 8192-token call and a decode step (batch 1) of 1 dense + 1 sparse layer: per layer the KV group's query
-    all-gather, softmax all-reduce (max) and numerator reduce-scatter (sum), the sparse layer's candidate all-gather,
-    over the 4 groups of 16 consecutive ranks (rank r with KV head r // 16); the TP all-reduces over all 64 ranks."""
-    for g, t in ((_graph(long["sharded"], "context_encoding_model", 8192), 8192),
-                 (_graph(long["sharded"], "token_generation_model", 32768), 1)):
-        lm, emb = (200064, 1, 1), (6144, t, 1)  # logits of the last token (vocab padded to 64 x 3126); embedding
-        assert _ops(g) == {
-            ("all-gather", "bf16", emb, 6144 * t * 2, "tp"): 1,  # NxD's embedding is sharded along hidden
-            ("all-gather", "bf16", (16, 1, t, 128), 16 * t * 128 * 2, "kv"): 2,  # the group's 16 query heads
-            ("all-gather", "f32", (16, 1, 1, t, 16, 2), 16 * t * 16 * 2 * 4, "kv"): 1,  # top-16 (score, id) x 16 ranks
-            ("all-reduce (max)", "f32", (1, 16, t), 16 * t * 4, "kv"): 2,  # softmax maxima of the 16 heads
-            ("reduce-scatter", "f32", (1, 1, t, 129), 16 * t * 129 * 4, "kv"): 2,  # numerators + denominator
-            ("all-reduce", "bf16", (1, t, 6144), t * 6144 * 2, "tp"): 4,  # attention and MLP outputs
-            ("all-gather", "bf16", lm, 200064 * 2, "tp"): 1,
-        }, g["bucket"]
+    """A 8192-token call and a decode step (batch 1) of 1 dense + 1 sparse layer (``ops.sharded_step.COLLECTIVES``),
+    over the 4 groups of 16 consecutive ranks (rank r with KV head r // 16); the TP all-reduces over all 64 ranks.
+    Prefill call, per layer: the group's 16 query heads all-gathered (bf16), the partials all-to-all by head (f32
+    ``[16 ranks, 1, 1 head, T, 128 + 2]``: output, max, sum); the sparse layer also all-gathers the 16 ranks' top-16
+    (score, id). Decode: the sparse layer packs its query head (f32) and its top-16 into ONE all-gather (``128 + 16 x
+    2`` floats per rank), the dense layer gathers its query head alone; each layer one all-to-all."""
+    lm = (200064, 1, 1)  # logits of the last token (vocab padded to 64 x 3126)
+    t = 8192
+    g = _graph(long["sharded"], "context_encoding_model", t)
+    assert _ops(g) == {
+        ("all-gather", "bf16", (6144, t, 1), 6144 * t * 2, "tp"): 1,  # NxD's embedding is sharded along hidden
+        ("all-gather", "bf16", (1, 16, t, 128), 16 * t * 128 * 2, "kv"): 2,  # the group's 16 query heads
+        ("all-gather", "f32", (16, 1, 1, t, 16, 2), 16 * t * 16 * 2 * 4, "kv"): 1,  # top-16 (score, id) x 16 ranks
+        ("all-to-all", "f32", (16, 1, 1, t, 130), 16 * t * 130 * 4, "kv"): 2,  # partial output, max, sum by head
+        ("all-reduce", "bf16", (1, t, 6144), t * 6144 * 2, "tp"): 4,  # attention and MLP outputs
+        ("all-gather", "bf16", lm, 200064 * 2, "tp"): 1,
+    }
+    g = _graph(long["sharded"], "token_generation_model", 32768)
+    assert _ops(g) == {
+        ("all-gather", "bf16", (6144, 1, 1), 6144 * 2, "tp"): 1,
+        ("all-gather", "bf16", (1, 16, 1, 128), 16 * 128 * 2, "kv"): 1,  # the dense layer's query heads
+        ("all-gather", "f32", (16, 1, 1, 160), 16 * 160 * 4, "kv"): 1,  # query head + top-16 (score, id), packed
+        ("all-to-all", "f32", (16, 1, 1, 1, 130), 16 * 130 * 4, "kv"): 2,
+        ("all-reduce", "bf16", (1, 1, 6144), 6144 * 2, "tp"): 4,
+        ("all-gather", "bf16", lm, 200064 * 2, "tp"): 1,
+    }
 
 
 def test_the_report_lists_the_planners_collectives(long):

@@ -170,14 +170,18 @@ def test_collectives_by_hand():
     rows = collectives(TINY, TP, EP, tokens=3)
     assert [(r["name"], r["kind"], r["ranks"], r["dtype"], r["bytes"], r["count"]) for r in rows] == [
         ("embedding", "all-gather", 8, "bf16", 3 * 128 * 2, 1),  # NxD's embedding is sharded along hidden
-        ("group queries", "all-gather", 4, "bf16", 3 * 4 * 32 * 2, 4),
-        ("selection candidates", "all-gather", 4, "fp32", 3 * 1 * 4 * 2 * 2 * 4, 3),
-        ("softmax maxima", "all-reduce (max)", 4, "fp32", 3 * 4 * 4, 4),
-        ("partial outputs + sums", "reduce-scatter", 4, "fp32", 3 * 4 * 33 * 4, 4),
+        ("group queries", "all-gather", 4, "bf16", 3 * 4 * 32 * 2, 1),  # the dense layer
+        # decode, sparse layers: the 4 query heads (fp32) and 4 ranks x top-2 (score, id) in one all-gather
+        ("group queries + selection candidates", "all-gather", 4, "fp32", 3 * (4 * 32 + 4 * 1 * 2 * 2) * 4, 3),
+        ("partial outputs + max + sum", "all-to-all", 4, "fp32", 3 * 4 * (32 + 2) * 4, 4),
         ("attention output", "all-reduce", 8, "bf16", 3 * 128 * 2, 4),
         ("MLP / MoE output", "all-reduce", 8, "bf16", 3 * 128 * 2, 4),
         ("LM head logits", "all-gather", 8, "bf16", 3 * 512 * 2, 1),  # gathered before the fp32 cast
     ]
+    pre = collectives(TINY, TP, EP, 32, phase="prefill")  # a prefill call gathers queries and candidates apart
+    assert [(r["name"], r["dtype"], r["bytes"], r["count"]) for r in pre[1:4]] == [
+        ("group queries", "bf16", 32 * 4 * 32 * 2, 4), ("selection candidates", "fp32", 32 * 1 * 4 * 2 * 2 * 4, 3),
+        ("partial outputs + max + sum", "fp32", 32 * 4 * 34 * 4, 4)]
     assert [r["name"] for r in collectives(TINY, TP, EP, 3, "replicated")] == [
         "embedding", "attention output", "MLP / MoE output", "LM head logits"]
     assert collectives(TINY, TP, EP, 32, logit_rows=1)[-1]["bytes"] == 512 * 2
@@ -191,11 +195,11 @@ def test_ttft_adds_up_the_calls():
     calls = [(0, 32), (32, 32), (64, 32)]  # the last call runs 32 rows for the prompt's last 16 tokens
     flop = [sum(chunk_flops(TINY, TP, EP, k, n, 80).values()) / PEAK_FLOPS_PER_S for k, n in calls]
     hbm = [sum(chunk_bytes(TINY, TP, EP, k, n, 80).values()) / 725e9 for k, n in calls]
-    link = sum(link_seconds(r) * r["count"] for r in collectives(TINY, TP, EP, 32, logit_rows=1))
-    assert (t.calls, t.chunk, t.collectives) == (3, 32, 3 * 25)  # 1 + 4 + 3 + 4 + 4 + 4 + 4 + 1 per call
+    link = sum(link_seconds(r) * r["count"] for r in collectives(TINY, TP, EP, 32, logit_rows=1, phase="prefill"))
+    assert (t.calls, t.chunk, t.collectives) == (3, 32, 3 * 21)  # 1 + 4 + 3 + 4 + 4 + 4 + 1 per call
     assert t.flop_s == pytest.approx(sum(flop)) and t.hbm_s == pytest.approx(sum(hbm))
     assert t.bound_s == pytest.approx(sum(max(f, b, link) for f, b in zip(flop, hbm)))
-    assert t.total_s == pytest.approx(t.bound_s + 75 * COLLECTIVE_LATENCY_S)
+    assert t.total_s == pytest.approx(t.bound_s + 63 * COLLECTIVE_LATENCY_S)
     one = ttft(TINY, TP, EP, seq=80, layout="replicated")
     assert (one.calls, one.chunk, one.collectives) == (1, 80, 10)
 

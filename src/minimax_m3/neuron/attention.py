@@ -183,8 +183,7 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         (what earlier calls wrote) plus the call's own keys (the rank's residue)."""
         kv_mgr, layer, seq_ids, position_ids = self.call_context
         b, t = Q.shape[0], Q.shape[2]
-        rows = seq_ids.view(-1).to(torch.int64) if self.continuous_batching else torch.arange(b, device=Q.device)
-        prior = kv_mgr.prior(layer, rows)
+        prior = kv_mgr.prior(layer, seq_ids.view(-1).to(torch.int64) if self.continuous_batching else None, b)
         start = position_ids[:, 0].to(torch.int64)
         q_pos = start.view(-1, 1) + torch.arange(t, device=Q.device).view(1, -1)
         rank = self.group_rank()

@@ -59,14 +59,12 @@ class M3KVCacheManager(KVCacheManager):
     def index_k_cache(self, layer: int) -> torch.Tensor:
         return self.past_key_values[2 * self.num_layers + self.index_slot[layer]]
 
-    def prior(self, layer: int, rows: torch.Tensor) -> list[torch.Tensor]:
-        """The whole K, V (and index-K) lines of cache ``rows`` for a context-encoding call of ``layer``: what the
-        earlier calls of a chunked prefill wrote (read only; the attention masks slots past the call's start)."""
-        k, v = self.kv_lines(layer)
-        out = [k.index_select(0, rows), v.index_select(0, rows)]
-        if layer in self.index_slot:
-            out.append(self.index_k_cache(layer).index_select(0, rows))
-        return out
+    def prior(self, layer: int, rows: torch.Tensor | None, batch: int) -> list[torch.Tensor]:
+        """The whole K, V (and index-K) lines of a context-encoding call of ``layer``: cache ``rows`` (continuous
+        batching), or with ``rows=None`` the first ``batch`` rows (static batching: a slice, no copy). What the
+        earlier calls of a chunked prefill wrote, read only (the attention masks slots past the call's start)."""
+        lines = [*self.kv_lines(layer)] + ([self.index_k_cache(layer)] if layer in self.index_slot else [])
+        return [x[:batch] if rows is None else x.index_select(0, rows) for x in lines]
 
     def get_cache(self, seq_len: int, skip_slice=False, kvcache_buffer=None, seq_ids=None,
                   windowed_context_encoding_window_idx=-1, **kwargs):

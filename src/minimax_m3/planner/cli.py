@@ -74,13 +74,17 @@ def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None)
 
 def format_collectives(c: M3Config, tp: int, ep: int, batch: int, chunk: int) -> str:
     """The sharded layout's collectives per pass: a decode step at ``batch`` and one prefill call of ``chunk``."""
-    dec, pre = collectives(c, tp, ep, batch, "sharded"), collectives(c, tp, ep, chunk, "sharded", logit_rows=1)
+    dec = collectives(c, tp, ep, batch, "sharded")
+    pre = collectives(c, tp, ep, chunk, "sharded", logit_rows=1, phase="prefill")
     lines = ["collectives of the sharded layout (bytes: the full buffer on each rank; count: per pass):",
-             f"  {'':<24}{'kind':<18}{'ranks':>5}  {'dtype':<6}{'count':>5}  {f'decode b={batch}':>14}"
-             f"  {f'prefill C={chunk}':>15}"]
-    for d, p in zip(dec, pre):
-        lines.append(f"  {d['name']:<24}{d['kind']:<18}{d['ranks']:>5}  {d['dtype']:<6}{d['count']:>5}  "
-                     f"{_size(d['bytes']):>14}  {_size(p['bytes']):>15}")
+             f"  {'':<38}{'kind':<16}{'ranks':>5}  {'dtype':<6}{f'decode b={batch}':>22}{f'prefill C={chunk}':>24}"]
+    names = list(dict.fromkeys(r["name"] for r in dec + pre))
+    for name in names:
+        d = next((r for r in dec if r["name"] == name), None)
+        p = next((r for r in pre if r["name"] == name), None)
+        r = d or p
+        cell = lambda x: f"{x['count']} x {_size(x['bytes'])}" if x else "-"  # noqa: E731
+        lines.append(f"  {name:<38}{r['kind']:<16}{r['ranks']:>5}  {r['dtype']:<6}{cell(d):>22}{cell(p):>24}")
     rep = collectives(c, tp, ep, batch, "replicated")
     for what, rows in (("decode step", dec), ("prefill call", pre), ("decode step, replicated layout", rep)):
         n = sum(r["count"] for r in rows)

@@ -188,12 +188,12 @@ def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int,
     }
 
 
-def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "sharded", logit_rows: int | None = None
-                ) -> list[dict]:
-    """The collectives of one forward pass over ``tokens`` tokens (a decode step at batch b: b; a sharded prefill
-    call: C), one row each: ``name``, ``kind``, ``ranks`` (the group it runs over), ``dtype``, ``bytes`` (the full
-    buffer on each rank: an all-gather's output, a reduce-scatter's input, an all-reduce's buffer) and ``count``
-    (how many run per pass: the layers it runs in).
+def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "sharded", logit_rows: int | None = None,
+                phase: str = "decode") -> list[dict]:
+    """The collectives of one forward pass over ``tokens`` tokens (a decode step at batch b: b, ``phase="decode"``;
+    a sharded prefill call: C, ``phase="prefill"``), one row each: ``name``, ``kind``, ``ranks`` (the group it runs
+    over), ``dtype``, ``bytes`` (the full buffer on each rank: an all-gather's output, a reduce-scatter's input, an
+    all-reduce's buffer, an all-to-all's input) and ``count`` (how many run per pass: the layers it runs in).
 
     Both layouts: the embedding's all-gather (NxD's embedding is sharded along the hidden size), bf16 ``[T,
     hidden]``, once per pass; the attention output projection's all-reduce and the MLP's (experts + shared expert,
@@ -201,40 +201,42 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
     model's dtype: the cast to fp32 comes after it) ``[logit_rows, vocab padded to tp]``, once per pass
     (``logit_rows`` defaults to ``tokens``; a prefill call's is its rows' last tokens). As the traced graphs have
     them (``test/hlo/test_sharded_graphs.py``).
-    Sharded, per attention layer, within the G ranks of a KV group: the group's queries (all-gather, bf16
-    ``[T, qg, d]``), the softmax maxima (all-reduce max, fp32 ``[T, qg]``) and the partial outputs with their sums
-    (reduce-scatter, fp32 ``[T, qg, d + 1]``, each rank keeping its own heads); sparse layers also all-gather the
-    selection candidates (local top-K scores and block ids packed as fp32, ``[T, iq, G, K, 2]``; ids below 2^24
-    are exact). The index queries need none: every rank of a group projects its group's index head."""
+    Sharded, per attention layer, within the G ranks of a KV group (the port's step, ``ops.sharded_step``, whose
+    ``COLLECTIVES`` names them): the group's query heads all-gathered (bf16 ``[T, qg, d]``), in a decode step's
+    sparse layers packed with the selection candidates into ONE fp32 all-gather (``[G, T, qg/G * d + iq * K * 2]``);
+    a prefill call's sparse layers gather the candidates apart (fp32 ``[G, T, iq, K, 2]``: local top-K scores and
+    block ids, exact below 2^24); then one all-to-all by head of the partial outputs with their softmax max and sum
+    (fp32 ``[T, qg, d + 2]``). The index queries need none: every rank of a group projects its group's index head."""
     n_sparse = sum(c.sparse_layers)
     h, d, L = c.hidden_size, c.head_dim, c.num_layers
     kv, iq, g = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp), group_size(c, tp)
     qg = c.q_per_kv * kv
     rows = []
     if layout == "sharded" and g > 1:
-        rows += [
-            dict(name="group queries", kind="all-gather", ranks=g, dtype="bf16", bytes=tokens * qg * d * BF16,
-                 count=L),
-            dict(name="selection candidates", kind="all-gather", ranks=g, dtype="fp32",
-                 bytes=tokens * iq * g * c.index_topk * 2 * FP32, count=n_sparse),
-            dict(name="softmax maxima", kind="all-reduce (max)", ranks=g, dtype="fp32", bytes=tokens * qg * FP32,
-                 count=L),
-            dict(name="partial outputs + sums", kind="reduce-scatter", ranks=g, dtype="fp32",
-                 bytes=tokens * qg * (d + 1) * FP32, count=L),
-        ]
+        queries = dict(name="group queries", kind="all-gather", ranks=g, dtype="bf16", bytes=tokens * qg * d * BF16)
+        if phase == "decode":
+            rows += [dict(queries, count=L - n_sparse),
+                     dict(name="group queries + selection candidates", kind="all-gather", ranks=g, dtype="fp32",
+                          bytes=tokens * (qg * d + g * iq * c.index_topk * 2) * FP32, count=n_sparse)]
+        else:
+            rows += [dict(queries, count=L),
+                     dict(name="selection candidates", kind="all-gather", ranks=g, dtype="fp32",
+                          bytes=tokens * iq * g * c.index_topk * 2 * FP32, count=n_sparse)]
+        rows.append(dict(name="partial outputs + max + sum", kind="all-to-all", ranks=g, dtype="fp32",
+                         bytes=tokens * qg * (d + 2) * FP32, count=L))
     rows = [dict(name="embedding", kind="all-gather", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=1),
             *rows,
             dict(name="attention output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
             dict(name="MLP / MoE output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
             dict(name="LM head logits", kind="all-gather", ranks=tp, dtype="bf16",
                  bytes=(tokens if logit_rows is None else logit_rows) * -(-c.vocab_size // tp) * tp * BF16, count=1)]
-    return [r for r in rows if r["ranks"] > 1]
+    return [r for r in rows if r["ranks"] > 1 and r["count"] > 0]
 
 
 def link_seconds(row: dict) -> float:
     """Link time of one collective of :func:`collectives` (ring algorithm at ``LINK_BYTES_PER_S``)."""
     n = row["ranks"]
-    sent = row["bytes"] * (n - 1) / n * (2 if row["kind"] == "all-reduce" else 1)
+    sent = row["bytes"] * (n - 1) / n * (2 if row["kind"] == "all-reduce" else 1)  # all-to-all: (n-1)/n leaves
     return sent / LINK_BYTES_PER_S
 
 
@@ -269,7 +271,7 @@ def ttft(c: M3Config, tp: int, ep: int, seq: int, layout: str = "sharded", chunk
         seq, chunk = s, s
     hbm = [sum(chunk_bytes(c, tp, ep, k, n, seq, weights, kv_dtype, layout).values()) / HBM_BYTES_PER_S
            for k, n in calls]
-    rows = collectives(c, tp, ep, chunk, layout, logit_rows=1)
+    rows = collectives(c, tp, ep, chunk, layout, logit_rows=1, phase="prefill")
     link = sum(link_seconds(r) * r["count"] for r in rows)
     times = [(f / PEAK_FLOPS_PER_S, b, link) for f, b in zip(flops, hbm)]
     n_coll = sum(r["count"] for r in rows) * len(calls)
