@@ -30,6 +30,8 @@ HOOKS = {  # private names of NxD / NxDI / torch that the model files may use, a
     "_model_cls": "NxDI's application -> traced model class attribute (qwen3_moe and gpt_oss set it too)",
     "_init_kv_shape": "NxDI's KVCacheManager shape hook (kv_cache_manager.py), called from its constructor: the "
                       "sharded layout's line length (max_len / G)",
+    "_is_prefill": "NxDI's routing of a call to context encoding or token generation (model_base.py), overridden so "
+                   "a chunk of a chunked prefill at p0 > 0 runs the context-encoding graph",
     "_apply": "torch.nn.Module's cast entry, which NxDI's cast policy and to_cpu's .bfloat16() go through "
               "(layers.KeepFP32, moe.M3Router keep their fp32 parameters there)",
 }

@@ -191,7 +191,7 @@ def prefill_in_chunks(app, forward, kw: dict):
         return forward(**kw)
     mask = kw.get("attention_mask")
     if mask is None:
-        mask = app._infer_attention_mask(pos)
+        mask = nxd_compat.infer_attention_mask(app, pos)
     b, n = ids.shape
     holder = (mask.sum(dim=1).clamp(min=1) - 1) // chunk  # the call holding each row's last real token
     outs, widths = [], []

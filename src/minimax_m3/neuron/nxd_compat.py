@@ -101,6 +101,15 @@ class KVGroupOps:
                              groups=ps.get_kv_shared_group(as_list=True), pin_layout=False)
 
 
+def infer_attention_mask(app, position_ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask NxDI infers for a call without one (vllm-neuron passes none): ``position_ids >= column``
+    style, from the positions.
+
+    Targets NxDI 0.9 (``models/model_base.py``: ``NeuronBaseForCausalLM._infer_attention_mask``, private, which its
+    ``forward`` calls when ``attention_mask`` is None); the chunk loop slices it per call."""
+    return app._infer_attention_mask(position_ids)
+
+
 # ---- MoE ------------------------------------------------------------------------------------------------------
 
 
