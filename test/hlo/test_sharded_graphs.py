@@ -26,7 +26,8 @@ import pytest
 from .conftest import REASON, dry_run, write_config
 
 TP64 = ["--tp", "64", "--ep", "64", "--lnc", "2"]
-LONG = TP64 + ["--batch", "1", "--seq-len", "32768", "--context-buckets", "8192,32768", "--token-buckets", "32768"]
+LONG = TP64 + ["--batch", "1", "--seq-len", "32768", "--context-buckets", "8192,32768", "--token-buckets", "32768",
+                "--prefill-chunk", "32768"]
 CHUNK = TP64 + ["--batch", "1", "--seq-len", "131072", "--max-context-len", "8192", "--context-buckets", "8192",
                 "--token-buckets", "131072", "--probe-chunks", "1,15"]
 DECODE32 = TP64 + ["--batch", "32", "--continuous-batching", "--seq-len", "4096", "--max-context-len", "128",
