@@ -100,7 +100,7 @@ def test_collectives_per_layer_by_hand(long):
     g = _graph(long["sharded"], "context_encoding_model", t)
     assert _ops(g) == {
         ("all-gather", "bf16", (6144, t, 1), 6144 * t * 2, "tp"): 1,  # NxD's embedding is sharded along hidden
-        ("all-gather", "bf16", (1, 16, t, 128), 16 * t * 128 * 2, "kv"): 2,  # the group's 16 query heads
+        ("all-gather", "bf16", (16, 1, t, 128), 16 * t * 128 * 2, "kv"): 2,  # the group's 16 query heads
         ("all-gather", "f32", (16, 1, 1, t, 16, 2), 16 * t * 16 * 2 * 4, "kv"): 1,  # top-16 (score, id) x 16 ranks
         ("all-to-all", "f32", (16, 1, 1, t, 130), 16 * t * 130 * 4, "kv"): 2,  # partial output, max, sum by head
         ("all-reduce", "bf16", (1, t, 6144), t * 6144 * 2, "tp"): 4,  # attention and MLP outputs
@@ -109,7 +109,7 @@ def test_collectives_per_layer_by_hand(long):
     g = _graph(long["sharded"], "token_generation_model", 32768)
     assert _ops(g) == {
         ("all-gather", "bf16", (6144, 1, 1), 6144 * 2, "tp"): 1,
-        ("all-gather", "bf16", (1, 16, 1, 128), 16 * 128 * 2, "kv"): 1,  # the dense layer's query heads
+        ("all-gather", "bf16", (16, 1, 1, 128), 16 * 128 * 2, "kv"): 1,  # the dense layer's query heads
         ("all-gather", "f32", (16, 1, 1, 160), 16 * 160 * 4, "kv"): 1,  # query head + top-16 (score, id), packed
         ("all-to-all", "f32", (16, 1, 1, 1, 130), 16 * 130 * 4, "kv"): 2,
         ("all-reduce", "bf16", (1, 1, 6144), 6144 * 2, "tp"): 4,

@@ -88,7 +88,9 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         self._index = None
         self.call_context = None  # (kv_mgr, layer, seq_ids, position_ids) of the current call
         self.group = config.num_cores_per_group if getattr(config, "kv_layout", "replicated") == "sharded" else 1
-        self.chunked = bool(getattr(config, "prefill_chunk", None))
+        # prompts longer than one call: every context-encoding call must read what the earlier calls wrote
+        chunk = getattr(config, "prefill_chunk", None)
+        self.chunked = bool(chunk) and chunk < config.neuron_config.max_context_length
         self.continuous_batching = config.neuron_config.is_continuous_batching
         if self.sparse:
             tp, dtype = config.neuron_config.tp_degree, self.torch_dtype
@@ -137,11 +139,14 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
 
     # ---- prefill ----------------------------------------------------------------------------------
     def perform_prefill(self, Q, K, V, q_len, bsz, attention_mask):
+        # a dense layer of a prompt's only call attends its own keys: NxDI's flash kernel where NxDI's strategy picks
+        # it (device builds with the CTE attention kernel), whatever the cache layout (the manager writes the
+        # rank's residue); sparse layers on sharded caches share each gathered block within the KV group
+        if not self.sparse and not self.chunked and self.get_flash_attention_strategy(
+                q_len, attention_mask is not None) != FlashAttentionStrategy.NONE:
+            return super().perform_prefill(Q, K, V, q_len, bsz, attention_mask)  # NxDI's flash kernel (device)
         if self.group > 1 or self.chunked:
             return self.prefill_call(Q, K, V), FlashAttentionStrategy.NONE
-        if not self.sparse and self.get_flash_attention_strategy(q_len, attention_mask is not None) \
-                != FlashAttentionStrategy.NONE:
-            return super().perform_prefill(Q, K, V, q_len, bsz, attention_mask)  # NxDI's flash kernel (device)
         chunk = ops.chunk_for(q_len, self.chunks, self.m3.index_block_size, self.max_chunk)
         if self.sparse:
             iq, ik, _, _ = self._index
