@@ -91,18 +91,18 @@ def _ops(g: dict) -> dict[tuple, int]:
 def test_collectives_per_layer_by_hand(long):
     """A 8192-token call and a decode step (batch 1) of 1 dense + 1 sparse layer (``ops.sharded_step.COLLECTIVES``),
     over the 4 groups of 16 consecutive ranks (rank r with KV head r // 16); the TP all-reduces over all 64 ranks.
-    Prefill call, per layer: the group's 16 query heads all-gathered (bf16), the partials all-to-all by head (f32
-    ``[16 ranks, 1, 1 head, T, 128 + 2]``: output, max, sum); the sparse layer also all-gathers the 16 ranks' top-16
-    (score, id). Decode: the sparse layer packs its query head (f32) and its top-16 into ONE all-gather (``128 + 16 x
+    Prefill (a prompt in one call), the sparse layer: the group's 16 query heads all-gathered (bf16), the 16 ranks'
+    top-16 (score, id) all-gathered, the partials all-to-all by head (f32 ``[16 ranks, 1, 1 head, T, 128 + 2]``:
+    output, max, sum); the dense layer attends the call's own keys on the rank (NxDI's flash kernel): none. Decode: the sparse layer packs its query head (f32) and its top-16 into ONE all-gather (``128 + 16 x
     2`` floats per rank), the dense layer gathers its query head alone; each layer one all-to-all."""
     lm = (200064, 1, 1)  # logits of the last token (vocab padded to 64 x 3126)
     t = 8192
     g = _graph(long["sharded"], "context_encoding_model", t)
     assert _ops(g) == {
         ("all-gather", "bf16", (6144, t, 1), 6144 * t * 2, "tp"): 1,  # NxD's embedding is sharded along hidden
-        ("all-gather", "bf16", (16, 1, t, 128), 16 * t * 128 * 2, "kv"): 2,  # the group's 16 query heads
+        ("all-gather", "bf16", (16, 1, t, 128), 16 * t * 128 * 2, "kv"): 1,  # the group's 16 query heads
         ("all-gather", "f32", (16, 1, 1, t, 16, 2), 16 * t * 16 * 2 * 4, "kv"): 1,  # top-16 (score, id) x 16 ranks
-        ("all-to-all", "f32", (16, 1, 1, t, 130), 16 * t * 130 * 4, "kv"): 2,  # partial output, max, sum by head
+        ("all-to-all", "f32", (16, 1, 1, t, 130), 16 * t * 130 * 4, "kv"): 1,  # partial output, max, sum by head
         ("all-reduce", "bf16", (1, t, 6144), t * 6144 * 2, "tp"): 4,  # attention and MLP outputs
         ("all-gather", "bf16", lm, 200064 * 2, "tp"): 1,
     }

@@ -171,7 +171,8 @@ def analytic(cfg: M3Config, man: dict, g: dict) -> dict:
             b = plan.decode_minimum_bytes(cfg, tp, ep, batch, g["bucket"], weights, dtype_bytes=size, layout=layout)
             return {"bytes_read": b, "gathered_kv": b["kv_sparse"],
                     "collectives": plan.collectives(cfg, tp, ep, batch, layout)}
-        coll = plan.collectives(cfg, tp, ep, batch * g["bucket"], layout, logit_rows=batch, phase="prefill")
+        coll = plan.collectives(cfg, tp, ep, batch * g["bucket"], layout, logit_rows=batch, phase="prefill",
+                                chunked=man["layout"].get("chunked", True))
         if layout == "sharded":
             seq = max(man.get("max_length") or g["bucket"], g["bucket"])
             start = seq - g["bucket"]

@@ -139,13 +139,15 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
 
     # ---- prefill ----------------------------------------------------------------------------------
     def perform_prefill(self, Q, K, V, q_len, bsz, attention_mask):
-        # a dense layer of a prompt's only call attends its own keys: NxDI's flash kernel where NxDI's strategy picks
-        # it (device builds with the CTE attention kernel), whatever the cache layout (the manager writes the
-        # rank's residue); sparse layers on sharded caches share each gathered block within the KV group
-        if not self.sparse and not self.chunked and self.get_flash_attention_strategy(
-                q_len, attention_mask is not None) != FlashAttentionStrategy.NONE:
+        # a dense layer of a prompt's only call attends its own keys, on this rank, whatever the cache layout (the
+        # manager writes the rank's residue): NxDI's flash kernel where NxDI's strategy picks it (device builds with
+        # the CTE attention kernel), else the chunked causal path below. Sparse layers on sharded caches, and every
+        # call of a prompt prefilled in several, run the group's step (each gathered block shared by its heads)
+        dense_alone = not self.sparse and not self.chunked
+        if dense_alone and self.get_flash_attention_strategy(q_len, attention_mask is not None) \
+                != FlashAttentionStrategy.NONE:
             return super().perform_prefill(Q, K, V, q_len, bsz, attention_mask)  # NxDI's flash kernel (device)
-        if self.group > 1 or self.chunked:
+        if not dense_alone and (self.group > 1 or self.chunked):
             return self.prefill_call(Q, K, V), FlashAttentionStrategy.NONE
         chunk = ops.chunk_for(q_len, self.chunks, self.m3.index_block_size, self.max_chunk)
         if self.sparse:

@@ -108,11 +108,13 @@ def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> P
 def cache_layout(config) -> dict:
     """The KV caches' layout of an NxDI config: ``kv_layout`` (``sharded``: each KV head's K/V and index-K split
     over its ``kv_group`` ranks; ``replicated``: NxDI's GQA copies, also any port without the attribute) and
-    ``prefill_chunk`` (tokens per context-encoding call; None: a prompt in one call)."""
+    ``prefill_chunk`` (tokens per context-encoding call; None: a prompt in one call), ``chunked`` (a prompt may take
+    several calls: the chunk is below ``max_context_length``)."""
     group = int(getattr(config, "num_cores_per_group", 1) or 1)
     layout = "sharded" if getattr(config, "kv_layout", None) == "sharded" and group > 1 else "replicated"
-    return {"kv_layout": layout, "kv_group": group if layout == "sharded" else 1,
-            "prefill_chunk": getattr(config, "prefill_chunk", None)}
+    chunk = getattr(config, "prefill_chunk", None)
+    return {"kv_layout": layout, "kv_group": group if layout == "sharded" else 1, "prefill_chunk": chunk,
+            "chunked": bool(chunk) and chunk < config.neuron_config.max_context_length}
 
 
 def _under(p: Path, root: Path) -> bool:

@@ -189,7 +189,7 @@ def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int,
 
 
 def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "sharded", logit_rows: int | None = None,
-                phase: str = "decode") -> list[dict]:
+                phase: str = "decode", chunked: bool = True) -> list[dict]:
     """The collectives of one forward pass over ``tokens`` tokens (a decode step at batch b: b, ``phase="decode"``;
     a sharded prefill call: C, ``phase="prefill"``), one row each: ``name``, ``kind``, ``ranks`` (the group it runs
     over), ``dtype``, ``bytes`` (the full buffer on each rank: an all-gather's output, a reduce-scatter's input, an
@@ -206,7 +206,9 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
     sparse layers packed with the selection candidates into ONE fp32 all-gather (``[G, T, qg/G * d + iq * K * 2]``);
     a prefill call's sparse layers gather the candidates apart (fp32 ``[G, T, iq, K, 2]``: local top-K scores and
     block ids, exact below 2^24); then one all-to-all by head of the partial outputs with their softmax max and sum
-    (fp32 ``[T, qg, d + 2]``). The index queries need none: every rank of a group projects its group's index head."""
+    (fp32 ``[T, qg, d + 2]``). The index queries need none: every rank of a group projects its group's index head.
+    A prefill call of a prompt taken in one call (``chunked=False``) runs its dense layers on the rank alone (the
+    call's own keys: NxDI's flash kernel), without the group's collectives."""
     n_sparse = sum(c.sparse_layers)
     h, d, L = c.hidden_size, c.head_dim, c.num_layers
     kv, iq, g = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp), group_size(c, tp)
@@ -219,11 +221,11 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
                      dict(name="group queries + selection candidates", kind="all-gather", ranks=g, dtype="fp32",
                           bytes=tokens * (qg * d + g * iq * c.index_topk * 2) * FP32, count=n_sparse)]
         else:
-            rows += [dict(queries, count=L),
+            rows += [dict(queries, count=L if chunked else n_sparse),
                      dict(name="selection candidates", kind="all-gather", ranks=g, dtype="fp32",
                           bytes=tokens * iq * g * c.index_topk * 2 * FP32, count=n_sparse)]
         rows.append(dict(name="partial outputs + max + sum", kind="all-to-all", ranks=g, dtype="fp32",
-                         bytes=tokens * qg * (d + 2) * FP32, count=L))
+                         bytes=tokens * qg * (d + 2) * FP32, count=L if phase == "decode" or chunked else n_sparse))
     rows = [dict(name="embedding", kind="all-gather", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=1),
             *rows,
             dict(name="attention output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
@@ -271,7 +273,7 @@ def ttft(c: M3Config, tp: int, ep: int, seq: int, layout: str = "sharded", chunk
         seq, chunk = s, s
     hbm = [sum(chunk_bytes(c, tp, ep, k, n, seq, weights, kv_dtype, layout).values()) / HBM_BYTES_PER_S
            for k, n in calls]
-    rows = collectives(c, tp, ep, chunk, layout, logit_rows=1, phase="prefill")
+    rows = collectives(c, tp, ep, chunk, layout, logit_rows=1, phase="prefill", chunked=len(calls) > 1)
     link = sum(link_seconds(r) * r["count"] for r in rows)
     times = [(f / PEAK_FLOPS_PER_S, b, link) for f, b in zip(flops, hbm)]
     n_coll = sum(r["count"] for r in rows) * len(calls)
