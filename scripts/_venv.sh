@@ -45,10 +45,18 @@ cached_venv() {
 }
 
 # The package (and any further local folders) editable from this clone into LINK's venv, without dependencies.
+# Skipped when the venv already holds exactly these folders with these pyproject.toml files (its .local stamp):
+# an editable install reads the code from the folder, so only a new folder or changed metadata needs pip.
 install_local() {
   local link=$1
   shift
-  local args=() p
+  local args=() p stamp
   for p in "$@"; do args+=(-e "$p"); done
+  stamp=$(for p in "$@"; do (cd "$p" && pwd && cat pyproject.toml); done | sha256sum | cut -c1-16)
+  if [ "$(cat "$link/.local" 2>/dev/null)" = "$stamp" ]; then
+    return 0
+  fi
+  rm -f "$link/.local"
   "$link/bin/python" -m pip install -q --no-deps --no-build-isolation "${args[@]}"
+  echo "$stamp" > "$link/.local"
 }

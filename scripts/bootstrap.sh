@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 cached_venv .venv constraints/test.txt -e ".[test,xla,eval,s3,s3-test]"
 install_local .venv .
-echo "bootstrap: .venv ready ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
+echo "bootstrap: .venv ready ($(.venv/bin/python -c 'from importlib.metadata import version as v; print("torch", v("torch"), "transformers", v("transformers"))'))"

@@ -14,5 +14,5 @@ source scripts/_offdevice_env.sh
 need_sources test_vllm_offdevice "(see README, 'Serving with vLLM')" NXDI_SRC NXD_SRC VLLM_NEURON_SRC
 offdevice_venv .venv-vllm constraints/vllm.txt vllm torch torch-xla transformers tenacity boto3 safetensors pytest -- . test/support/vllm/standin_platform
 export PJRT_DEVICE=CPU
-echo "test_vllm_offdevice: vLLM $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)'), vllm-neuron from $VLLM_NEURON_SRC"
+echo "test_vllm_offdevice: vLLM $(.venv-vllm/bin/python -c 'from importlib.metadata import version; print(version("vllm"))'), vllm-neuron from $VLLM_NEURON_SRC"
 .venv-vllm/bin/python -m pytest -q test/vllm "$@"

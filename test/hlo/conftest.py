@@ -14,10 +14,8 @@ The three shapes of issue 13, each traced once per session by ``python -m test.s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -25,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from test.support.neuron import standins
+from test.support.neuron import result_cache, standins
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,57 +69,20 @@ def run_module(module: str, *args: str, timeout: int = 900) -> tuple[str, float]
 
 
 # ---- the trace cache -------------------------------------------------------------------------------------------
-# A dry run is a pure function of its inputs: the model directory's files, its arguments, this repository's package
-# and test support code, the NxDI/NxD sources and the library versions. Its output directory is kept under a key
-# hashing all of them (like neuronx-cc's own compile cache), so a second run of the suite on the same machine and tree
-# reads the same modules instead of tracing them again; any change to any input is a new key. The tests still check
-# every module they read. MINIMAX_M3_TRACE_CACHE names the folder (default ~/.cache/minimax-m3/traces); set it to
-# "off" to trace every time.
-
-def _tree_digest(h, root: Path, suffixes=(".py", ".json", ".txt", ".toml")) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file() and p.suffix in suffixes and "__pycache__" not in p.parts:
-            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
-
-
-def _inputs_key(module: str, model: Path, args: list[str]) -> str:
-    import torch
-    import transformers
-
-    h = hashlib.sha256()
-    h.update(json.dumps([module, args, sys.version, torch.__version__, transformers.__version__]).encode())
-    for root in (REPO / "src", REPO / "test" / "support", Path(os.environ.get("NXDI_SRC", "/nonexistent")),
-                 Path(os.environ.get("NXD_SRC", "/nonexistent"))):
-        if root.is_dir():
-            _tree_digest(h, root)
-    _tree_digest(h, Path(model), suffixes=(".json", ".safetensors", ".model", ".txt"))
-    return h.hexdigest()[:24]
-
-
-def _trace_cache() -> Path | None:
-    where = os.environ.get("MINIMAX_M3_TRACE_CACHE", str(Path.home() / ".cache" / "minimax-m3" / "traces"))
-    return None if where == "off" else Path(where)
-
+# A dry run is a pure function of its inputs (the model directory's files, its arguments, this repository's code, the
+# NxDI/NxD sources, the library versions): its output directory is kept under a key hashing all of them
+# (test.support.neuron.result_cache, MINIMAX_M3_TRACE_CACHE), so a second run of the suite on the same machine and
+# tree reads the same modules instead of tracing them again. The tests still check every module they read.
 
 def cached_run(module: str, model: Path, out: Path, args: list[str]) -> str:
     """``python -m module --model MODEL --compiled OUT args``, or its cached output directory and stdout copied into
-    ``out`` when the same inputs were traced before (see the trace cache above)."""
-    cache = _trace_cache()
-    key = cache / _inputs_key(module, model, args) if cache else None
-    if key is not None and (key / ".done").is_file():
-        shutil.copytree(key / "out", out, dirs_exist_ok=True)
-        return (key / "stdout.txt").read_text()
-    stdout, seconds = run_module(module, "--model", str(model), "--compiled", str(out), *args)
-    (out / "trace_seconds.txt").write_text(f"{seconds:.1f}\n")
-    if key is not None:
-        tmp = key.with_name(key.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(out, tmp / "out")
-        (tmp / "stdout.txt").write_text(stdout)
-        (tmp / ".done").write_text("")
-        shutil.rmtree(key, ignore_errors=True)
-        tmp.rename(key)
-    return stdout
+    ``out`` when the same inputs were traced before."""
+    def trace() -> str:
+        stdout, seconds = run_module(module, "--model", str(model), "--compiled", str(out), *args)
+        (out / "trace_seconds.txt").write_text(f"{seconds:.1f}\n")
+        return stdout
+
+    return result_cache.cached(module, args, [model], out, trace)
 
 
 def dry_run(model: Path, out: Path, args: list[str]) -> Path:

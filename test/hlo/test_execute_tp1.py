@@ -4,7 +4,8 @@ The modules are the ones ``compile --dry-run`` wrote for the tiny checkpoint (2 
 buckets); ``test.support.hlo.execute_graphs`` runs them with the weights NxD shards for rank 0. The oracle is the golden
 of the reference backend (``compute_golden``), itself graded against transformers in the shared suite. One prompt spans
 8 indexer blocks (sparse selection drops blocks), the other decodes across the 128-token bucket boundary, so both decode
-buckets and the cache hand-over between graphs are exercised.
+buckets and the cache hand-over between graphs are exercised. The execution's output is a pure function of the traced
+modules, the checkpoint and the request and is kept with the traces (``test.support.neuron.result_cache``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from test.conftest import random_ids
 from test.hlo.conftest import run_module
+from test.support.neuron import result_cache
 
 TOL = 1e-4
 
@@ -25,10 +27,17 @@ def test_traced_graphs_give_the_golden_logits(dry_tiny, tiny_ckpt, tmp_path):
 
     prompts = [random_ids(37, seed=1), random_ids(125, seed=2)]
     steps = 6
-    (tmp_path / "req.json").write_text(json.dumps({"prompts": prompts, "steps": steps}))
-    run_module("test.support.hlo.execute_graphs", str(dry_tiny), str(tiny_ckpt), str(tmp_path / "req.json"),
-               str(tmp_path / "o.pt"), timeout=2400)
-    got = torch.load(tmp_path / "o.pt")
+    req, out = tmp_path / "req.json", tmp_path / "out"
+    req.write_text(json.dumps({"prompts": prompts, "steps": steps}))
+    out.mkdir()
+
+    def execute() -> str:
+        return run_module("test.support.hlo.execute_graphs", str(dry_tiny), str(tiny_ckpt), str(req),
+                          str(out / "o.pt"), timeout=2400)[0]
+
+    # a pure function of the traced modules, the checkpoint and the request: kept with the traces (conftest)
+    result_cache.cached("test.support.hlo.execute_graphs", [], [dry_tiny, tiny_ckpt, req], out, execute)
+    got = torch.load(out / "o.pt")
     ref = ReferenceEngine.from_pretrained(tiny_ckpt, device="cpu", dtype="float32", max_seq_len=256)
     golden = compute_golden(ref, prompts, steps + 1)
     for i in range(len(prompts)):

@@ -13,11 +13,19 @@ Load it with ``pytest_plugins = ["test.support.neuron.cpu_plugin"]`` in ``test/c
 * skips tests that need transformers' ``minimax_m3_vl`` (the golden's own grading) when the NxDI environment's
   transformers (4.57, NxDI's pin) does not have it; that grading runs in the project's own environment.
 
-TP 2 and 4 are run by :mod:`test.neuron_cpu.test_torchrun` (``torchrun`` over this same suite).
+TP 2 and 4 are run by :mod:`test.neuron_cpu.test_torchrun` (``torchrun`` over this same suite, every file in one
+pytest per rank). Under ``torchrun`` the plugin therefore also
+
+* leaves the process group after each test file (NxD's model-parallel groups, then torch's default group), so every
+  file starts as it would in a process of its own: NxDI's ``to_cpu()`` (and any test that joins the group itself)
+  initialises the default group afresh;
+* appends each test's outcome to ``$NEURON_CPU_REPORT_DIR/rank<RANK>.jsonl`` when that variable is set, for the
+  launcher to grade every file on every rank.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -107,6 +115,48 @@ def _fill_engine_defaults() -> None:
 
     load_neuron_engine._neuron_cpu_defaults = True
     neuron.load_neuron_engine = load_neuron_engine
+
+
+def _leave_process_group() -> None:
+    """Undo what NxDI's ``to_cpu()`` set up, as a process exit would: NxD's model-parallel groups, then the default
+    group. Every rank runs the same files in the same order, so all ranks leave together.
+
+    The next ``init_process_group`` (env://) must not meet this group's rendezvous keys: torch names every default
+    group ``default_pg/0`` in the store, and torchrun's agent store keeps them, so a rank could read its peer's old
+    address and hang. Rank 0 therefore hosts a fresh store for the next file on a free port it hands to all ranks."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        from neuronx_distributed.parallel_layers import parallel_state
+    except ImportError:
+        parallel_state = None
+    port = torch.tensor([free_port() if dist.get_rank() == 0 else 0])
+    dist.broadcast(port, src=0)  # also: no rank tears down while another still runs the file's last collective
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    os.environ.update(MASTER_PORT=str(int(port)), TORCHELASTIC_USE_AGENT_STORE="False")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)  # the file's fixtures (its models) are finalised first
+    finally:
+        if _STATE["active"] and "WORLD_SIZE" in os.environ and (nextitem is None or nextitem.path != item.path):
+            _leave_process_group()
+
+
+def pytest_runtest_logreport(report):
+    where = os.environ.get("NEURON_CPU_REPORT_DIR")
+    if not where or "WORLD_SIZE" not in os.environ:
+        return
+    line = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome}
+    with open(os.path.join(where, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def _has_m3_transformers() -> bool:

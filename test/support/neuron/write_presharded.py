@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import result_cache
+
 
 def _status_mb(field: str) -> float:
     """``VmHWM`` (peak resident) or ``VmRSS`` of this process's own address space, in MiB. Not ``ru_maxrss``: after
@@ -76,7 +78,7 @@ def measure(root: Path, tp: int = 64, ep: int = 64) -> dict:
     size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     out = {"checkpoint_bytes": size}
     for mode in ("stream", "nxd"):
-        out[mode] = run(mode, ckpt, root / mode, tp, ep, timeout=3600)
+        out[mode] = run(mode, ckpt, root / mode, tp, ep, timeout=3600, cache=False)
         out[mode]["files_bytes"] = sum(p.stat().st_size for p in (root / mode).glob("tp*.safetensors"))
     out["bit_equal_ranks"] = _equal_ranks(root / "stream", root / "nxd", sorted({0, 1, tp // 2, tp - 1}))
     for mode in ("stream", "nxd"):
@@ -159,13 +161,29 @@ def main(argv: list[str]) -> int:
 MISNAMED = "layers.1.post_attention_layernorm.weight"  # no NxD preshard hook reads it
 
 
-def run(mode: str, ckpt: Path, out: Path, tp: int, ep: int, dtype: str = "bfloat16", timeout: float = 900) -> dict:
-    """:func:`main` in a fresh interpreter (this one's); returns ``report.json``."""
+def run(mode: str, ckpt: Path, out: Path, tp: int, ep: int, dtype: str = "bfloat16", timeout: float = 900,
+        cache: bool = True) -> dict:
+    """:func:`main` in a fresh interpreter (this one's); returns ``report.json``.
+
+    A run is a pure function of the checkpoint's files, its arguments and the code: with ``cache`` its output folder
+    is kept under a hash of all of them (:mod:`.result_cache`), so the same run again (several tests read one layout;
+    a second run of the suite) copies the rank files and the report of the first. The report's seconds and memory
+    are then that run's; :func:`measure` always runs."""
     root = Path(__file__).resolve().parents[3]
-    proc = subprocess.run([sys.executable, "-m", "test.support.neuron.write_presharded", mode, str(ckpt), str(out),
-                           str(tp), str(ep), dtype], cwd=root, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode:
-        raise RuntimeError(f"{mode} sharding subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+    def shard() -> str:
+        proc = subprocess.run([sys.executable, "-m", "test.support.neuron.write_presharded", mode, str(ckpt), str(out),
+                               str(tp), str(ep), dtype], cwd=root, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode:
+            raise RuntimeError(f"{mode} sharding subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return proc.stdout
+
+    out.mkdir(parents=True, exist_ok=True)
+    if cache:
+        result_cache.cached("test.support.neuron.write_presharded", [mode, str(tp), str(ep), dtype], [ckpt], out,
+                            shard)
+    else:
+        shard()
     return json.loads((out / "report.json").read_text())
 
 

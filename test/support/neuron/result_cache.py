@@ -1,0 +1,78 @@
+"""Outputs of the test suites' deterministic subprocesses, kept across runs under a hash of every input.
+
+A graph-harness dry run, the TP 1 execution of its modules and a pre-sharding run are each a pure function of their
+inputs: the files they read (a checkpoint, a dry run's modules, a request), their arguments, this repository's package
+and test support code, the NxDI/NxD sources and the library versions. :func:`cached` keeps a run's output folder and
+stdout under a key hashing all of them (like neuronx-cc's own compile cache), so a second run of the suites on the
+same machine and tree copies them instead of running again; any change to any input is a new key. The tests still
+check every file they read.
+
+``MINIMAX_M3_TRACE_CACHE`` names the folder (default ``~/.cache/minimax-m3/traces``); ``off`` runs everything every
+time. Point it at an empty folder to time a first run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+CODE = (".py", ".json", ".txt", ".toml")
+
+
+def cache_root() -> Path | None:
+    where = os.environ.get("MINIMAX_M3_TRACE_CACHE", str(Path.home() / ".cache" / "minimax-m3" / "traces"))
+    return None if where == "off" else Path(where)
+
+
+def _tree_digest(h, root: Path, suffixes: tuple[str, ...] | None) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and (suffixes is None or p.suffix in suffixes) and "__pycache__" not in p.parts:
+            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+
+
+def inputs_key(name: str, args: list[str], inputs: list[Path]) -> str:
+    """The key of ``name`` run with ``args`` over the files under ``inputs`` (every file; a folder's relative paths,
+    so the same files elsewhere give the same key), this repository's code and the NxDI/NxD sources."""
+    import torch
+    import transformers
+
+    h = hashlib.sha256()
+    h.update(json.dumps([name, args, sys.version, torch.__version__, transformers.__version__]).encode())
+    for root in (REPO / "src", REPO / "test" / "support", Path(os.environ.get("NXDI_SRC", "/nonexistent")),
+                 Path(os.environ.get("NXD_SRC", "/nonexistent"))):
+        if root.is_dir():
+            _tree_digest(h, root, CODE)
+    for p in inputs:
+        p = Path(p)
+        h.update(b"\1input\0")
+        if p.is_dir():
+            _tree_digest(h, p, None)
+        elif p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def cached(name: str, args: list[str], inputs: list[Path], out: Path, produce: Callable[[], str]) -> str:
+    """``produce()`` (which writes ``out`` and returns its stdout), or, when the same inputs ran before, their output
+    folder copied into ``out`` and their stdout."""
+    root = cache_root()
+    key = root / inputs_key(name, args, inputs) if root else None
+    if key is not None and (key / ".done").is_file():
+        shutil.copytree(key / "out", out, dirs_exist_ok=True)
+        return (key / "stdout.txt").read_text()
+    stdout = produce()
+    if key is not None:
+        tmp = key.with_name(key.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(out, tmp / "out")
+        (tmp / "stdout.txt").write_text(stdout)
+        (tmp / ".done").write_text("")
+        shutil.rmtree(key, ignore_errors=True)
+        tmp.rename(key)
+    return stdout
