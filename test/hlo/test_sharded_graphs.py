@@ -93,8 +93,9 @@ def test_collectives_per_layer_by_hand(long):
     over the 4 groups of 16 consecutive ranks (rank r with KV head r // 16); the TP all-reduces over all 64 ranks.
     Prefill (a prompt in one call), the sparse layer: the group's 16 query heads all-gathered (bf16), the 16 ranks'
     top-16 (score, id) all-gathered, the partials all-to-all by head (f32 ``[16 ranks, 1, 1 head, T, 128 + 2]``:
-    output, max, sum); the dense layer attends the call's own keys on the rank (NxDI's flash kernel): none. Decode: the sparse layer packs its query head (f32) and its top-16 into ONE all-gather (``128 + 16 x
-    2`` floats per rank), the dense layer gathers its query head alone; each layer one all-to-all."""
+    output, max, sum); the dense layer attends the call's own keys on the rank (NxDI's flash kernel): none. Decode:
+    the sparse layer packs its query head (f32) and its top-16 into ONE all-gather (``128 + 16 x 2`` floats per
+    rank), the dense layer gathers its query head alone; each layer one all-to-all."""
     lm = (200064, 1, 1)  # logits of the last token (vocab padded to 64 x 3126)
     t = 8192
     g = _graph(long["sharded"], "context_encoding_model", t)
