@@ -16,11 +16,13 @@ M3 = M3Config.preset("m3")
 def test_a_verify_step_is_a_decode_step_over_k_plus_1_tokens_and_reads_the_weights_once():
     verify, plain = target_step(M3, 64, 64, 4, 4096, "fp8"), target_step(M3, 64, 64, 1, 4096, "fp8")
     assert verify.bytes == sum(decode_minimum_bytes(M3, 64, 64, 4, 4096, "fp8").values())
-    assert verify.collectives == plain.collectives == 2 * 60 + 1  # o_proj and MLP all-reduces, logits all-gather
+    # per layer the KV group's all-gather and all-to-all, the o_proj and MLP all-reduces; the embedding and logits
+    # all-gathers (the port's sharded caches)
+    assert verify.collectives == plain.collectives == 4 * 60 + 2
     # at EP 64 a rank's 2 experts are read for one token already (top-4 of 128): the weights are read once
     w4, w1 = sum(weights_read(M3, 64, 64, 4, "fp8").values()), sum(weights_read(M3, 64, 64, 1, "fp8").values())
     assert w1 < w4 <= 1.05 * w1 and w4 - w1 == 3 * 6144 * 2  # 3 more embedding rows
-    assert verify.seconds == pytest.approx(verify.bytes / HBM_BYTES_PER_S + 121 * COLLECTIVE_LATENCY_S)
+    assert verify.seconds == pytest.approx(verify.bytes / HBM_BYTES_PER_S + 242 * COLLECTIVE_LATENCY_S)
 
 
 def test_step_flops_by_hand():
@@ -46,9 +48,12 @@ def test_the_issue_target_fp8_at_acceptance_2_5():
     rows = {r.batch: r for r in project(M3, 64, 64, 4096, 3, "fp8")}
     for b in (1, 4):
         ratio = rows[b].tokens_per_s(2.5) / rows[b].plain_tokens_per_s
-        assert ratio >= 2.0, (b, ratio)  # 2.35x at batch 1, 2.12x at batch 4 (docs/speculative.md)
+        assert ratio >= 2.0, (b, ratio)  # 2.44x at batch 1, 2.42x at batch 4 (docs/speculative.md)
     assert rows[1].tokens_per_s(4.5) is None  # 3 drafts yield at most 4 tokens a step
-    assert rows[32].tokens_per_s(1.5) < rows[32].plain_tokens_per_s  # low acceptance at batch 32 loses
+    # with NxDI's replicated caches a batch-32 step is bound by its cache reads, which a verify multiplies: low
+    # acceptance loses there (on the sharded caches the fixed collective latency dominates and it still wins)
+    rep = {r.batch: r for r in project(M3, 64, 64, 4096, 3, "fp8", layout="replicated")}
+    assert rep[32].tokens_per_s(1.5) < rep[32].plain_tokens_per_s
     assert M3_DRAFT.target_hidden_size == M3.hidden_size and M3_DRAFT.vocab_size == M3.vocab_size
 
 
