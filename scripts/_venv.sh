@@ -45,15 +45,29 @@ cached_venv() {
 }
 
 # The package (and any further local folders) editable from this clone into LINK's venv, without dependencies.
-# Skipped when the venv already holds exactly these folders with these pyproject.toml files (its .local stamp):
-# an editable install reads the code from the folder, so only a new folder or changed metadata needs pip.
+# Skipped when the venv's own records say these folders are installed editable (pip's direct_url.json) with the
+# pyproject.toml files of the last install here (the .local stamp): an editable install reads the code from the
+# folder, so only another folder or changed metadata needs pip.
 install_local() {
   local link=$1
   shift
   local args=() p stamp
   for p in "$@"; do args+=(-e "$p"); done
   stamp=$(for p in "$@"; do (cd "$p" && pwd && cat pyproject.toml); done | sha256sum | cut -c1-16)
-  if [ "$(cat "$link/.local" 2>/dev/null)" = "$stamp" ]; then
+  if [ "$(cat "$link/.local" 2>/dev/null)" = "$stamp" ] && "$link/bin/python" - "$@" <<'PY'
+import json, sys
+from importlib.metadata import distributions
+from pathlib import Path
+
+want = {Path(p).resolve().as_uri() for p in sys.argv[1:]}
+have = set()
+for dist in distributions():
+    url = json.loads(dist.read_text("direct_url.json") or "{}")
+    if url.get("dir_info", {}).get("editable"):
+        have.add(url["url"])
+sys.exit(0 if want <= have else 1)
+PY
+  then
     return 0
   fi
   rm -f "$link/.local"
