@@ -74,5 +74,8 @@ def cached(name: str, args: list[str], inputs: list[Path], out: Path, produce: C
         (tmp / "stdout.txt").write_text(stdout)
         (tmp / ".done").write_text("")
         shutil.rmtree(key, ignore_errors=True)
-        tmp.rename(key)
+        try:
+            tmp.rename(key)
+        except OSError:  # another session stored the same key first: same inputs, same output
+            shutil.rmtree(tmp, ignore_errors=True)
     return stdout
