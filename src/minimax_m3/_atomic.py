@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_path", "move_into_place", "write_atomic"]
+__all__ = ["atomic_path", "move_into_place", "staged_directory", "write_atomic"]
 
 
 def _tmp_name(path: Path) -> Path:
@@ -24,6 +26,23 @@ def move_into_place(tmp: str | Path, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, path)
     return path
+
+
+@contextlib.contextmanager
+def staged_directory(out: str | Path) -> Iterator[Path]:
+    """Yield a new temporary directory beside ``out`` to write a whole directory into; when the block ends normally
+    it replaces ``out`` (any old one removed), when it raises it is removed and ``out`` is left as it was."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @contextlib.contextmanager

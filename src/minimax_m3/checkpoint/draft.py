@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from .._atomic import move_into_place
+from .._atomic import staged_directory
 from ..config.draft import DraftConfig, default_aux_layers, is_draft_config, parse_draft_config
 from ..config.m3 import M3Config
 from ..errors import M3Error
@@ -248,16 +246,8 @@ def write_synthetic_draft(out: str | Path, target: M3Config, seed: int = 0, forc
     problems = dc.target_problems(target)
     if problems:
         raise DraftError(problems, "synthetic draft")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_directory(out) as tmp:
         save_file({k: t.contiguous() for k, t in synthetic_tensors(dc, seed).items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(dc.to_dict(), indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from safetensors.torch import save_file
 
-from .._atomic import move_into_place
+from .._atomic import staged_directory
 from ..config.m3 import M3Config
 from . import formats as F
 from .mapping import release_shapes
@@ -132,9 +130,7 @@ def write_checkpoint_dir(out: Path, config_dict: dict, tensors: list[tuple[str, 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass --force")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_directory(out) as tmp:
         shards = _shard_plan(tensors, max(1, num_shards))
         n = len(shards)
         weight_map, total = {}, 0
@@ -151,12 +147,6 @@ def write_checkpoint_dir(out: Path, config_dict: dict, tensors: list[tuple[str, 
             (tmp / name).write_text(text)
         if finish is not None:
             finish(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
