@@ -28,11 +28,8 @@ the attention (:func:`combine`). Gathered K/V bytes per rank and sparse layer: `
 V) x dtype bytes`` for ``T`` queries (M3, bf16, G = 16: ``T/16`` MiB, against ``T`` MiB per rank when every head
 gathers for itself).
 
-**Collectives a layer adds** (per rank, ``T`` queries per row, ``R`` heads per group, f32 statistics): all-gather of
-the group's queries (``G x T x D x dtype``; the index query is already replicated per group); sparse layers: all-gather
-of the candidates (``G x T x K x 8`` bytes: f32 score, int32 id); all-gather of the statistics (``G x T x R x 2 x
-4``); reduce-scatter of the weighted partial outputs (in ``T x R x D x 4``, out ``T x D x 4``). Four per sparse
-layer, three per dense layer.
+**Collectives**: the step the port runs, with its collectives (2 per decode layer: one all-gather, one all-to-all),
+is :func:`minimax_m3.ops.sharded_step.rank_attention`; ``sharded_step.COLLECTIVES`` lists them.
 
 :func:`sharded_prefill_chunk` / :func:`sharded_decode` compose the whole step over simulated ranks (``torch.stack``,
 ``max`` and ``sum`` standing in for the collectives): the tests compare them with the unsharded ``ops``.
