@@ -35,6 +35,8 @@ def load_engine(spec: EngineSpec | str, backend: str | None = None, **kw) -> Eng
     spec = dataclasses.replace(spec, model=str(storage.resolve(spec.model, spec.cache_dir)))
     if spec.compiled and storage.is_s3(spec.compiled):
         spec = dataclasses.replace(spec, compiled=str(storage.resolve(spec.compiled, spec.cache_dir)))
+    if spec.draft and storage.is_s3(spec.draft):
+        spec = dataclasses.replace(spec, draft=str(storage.resolve(spec.draft, spec.cache_dir)))
     config = M3Config.from_pretrained(spec.model)
     if spec.backend == "reference":
         from .reference.engine import load_reference
@@ -42,4 +44,9 @@ def load_engine(spec: EngineSpec | str, backend: str | None = None, **kw) -> Eng
         return load_reference(spec, config)
     from .neuron import load_neuron_engine
 
-    return load_neuron_engine(spec, config)
+    drafter = None
+    if spec.draft:  # the neuron backends verify drafts on the device and draft on the host (issue 24)
+        from .reference.eagle3 import load_host_drafter
+
+        drafter = load_host_drafter(spec.draft, spec.model, config)
+    return load_neuron_engine(spec, config, drafter)

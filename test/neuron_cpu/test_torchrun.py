@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SUITE = ["test/integration/test_backend_suite.py", "test/neuron_cpu/test_harness_llama.py",
          "test/neuron_cpu/test_port_cpu.py", "test/neuron_cpu/test_vocab_padding.py",
          "test/neuron_cpu/test_continuous_batching.py", "test/neuron_cpu/test_sharded_caches.py",
-         "test/neuron_cpu/test_chunked_prefill.py"]
+         "test/neuron_cpu/test_chunked_prefill.py", "test/neuron_cpu/test_speculative_port.py"]
 TIMEOUT_S = int(os.environ.get("NEURON_CPU_TORCHRUN_TIMEOUT", "3600"))
 
 

@@ -3,7 +3,6 @@ q/k/v widened to 2 x hidden as EAGLE3's first layer has them, ``LlamaRMSNorm``, 
 incl. Llama-3 scaling), composed as vLLM's ``llama_eagle3`` layer does. Float32; also the cached, chunked forward
 against the one-shot forward, and the draft-to-target vocabulary map."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,9 +28,8 @@ CASES = {
 def _draft(dc: DraftConfig):
     tensors = {canonical(k): v.float() for k, v in synthetic_tensors(dc, seed=1).items()}
     g = torch.Generator().manual_seed(2)
-    target = SimpleNamespace(embed_tokens=SimpleNamespace(weight=torch.randn(dc.vocab_size, dc.hidden_size,
-                                                                             generator=g)),
-                             lm_head=SimpleNamespace(weight=torch.randn(dc.vocab_size, dc.hidden_size, generator=g)))
+    target = {"embed_tokens.weight": torch.randn(dc.vocab_size, dc.hidden_size, generator=g),
+              "lm_head.weight": torch.randn(dc.vocab_size, dc.hidden_size, generator=g)}
     if dc.hidden_size != dc.target_hidden_size:
         tensors["embed_tokens.weight"] = torch.randn(dc.vocab_size, dc.hidden_size, generator=g)
     return build_draft(dc, tensors, target, torch.float32, "cpu"), tensors

@@ -36,7 +36,7 @@ HOOKS = {  # private names of NxD / NxDI / torch that the model files may use, a
               "(layers.KeepFP32, moe.M3Router keep their fp32 parameters there)",
 }
 OWN = {  # private names the port's own classes introduce (none is an NxD/NxDI name: test_own_names_are_not_upstream)
-    "_fp32_params", "_index", "_index_heads", "_last_real", "_positions", "_mask",
+    "_fp32_params", "_index", "_index_heads", "_last_real", "_positions", "_mask", "_aux", "_keep_aux",
 }
 ENV = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 REFLECT = {"getattr", "setattr", "hasattr", "delattr"}

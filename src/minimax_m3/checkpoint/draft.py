@@ -172,6 +172,27 @@ def open_draft(path: str | Path, target: M3Config) -> tuple[DraftConfig, dict[st
     return rep.config, {c: rep.reader.get(k).clone() for c, k in rep.stored.items()}
 
 
+SHARED = ("embed_tokens.weight", "lm_head.weight")  # what a draft may take from its target
+
+
+def target_shared(dc: DraftConfig, stored: dict, target_path: str | Path, target: M3Config) -> dict[str, torch.Tensor]:
+    """The target's tensors a draft stores none of (``SHARED``, by the draft's names), read from the target
+    checkpoint at ``target_path`` (any published format, full precision): for an engine that holds no torch copy
+    of the target (the Neuron port shards its own)."""
+    from .mapping import LM
+    from .validate import open_checkpoint
+
+    want = [k for k in SHARED if k not in stored]
+    if not want:
+        return {}
+    src = open_checkpoint(target_path, target, False).source
+    embed = src.get(f"{LM}.embed_tokens.weight")
+    out = {"embed_tokens.weight": embed}
+    if "lm_head.weight" in want and not dc.tie_word_embeddings:
+        out["lm_head.weight"] = embed if target.tie_word_embeddings else src.get("language_model.lm_head.weight")
+    return {k: v for k, v in out.items() if k in want}
+
+
 def draft_info(path: str | Path, target: M3Config | None = None) -> dict:
     """What ``minimax-m3 inspect DRAFT`` prints, as a dict (never raises for a bad draft: problems are listed)."""
     rep = check_draft(path, target)
@@ -188,7 +209,7 @@ def draft_info(path: str | Path, target: M3Config | None = None) -> dict:
     if rep.reader is not None:
         info.update({"stored_tensors": len(rep.reader.infos), "stored_bytes": rep.nbytes,
                      "shards": len({i.shard for i in rep.reader.infos.values()}),
-                     "shared_with_target": [k for k in ("lm_head.weight", "embed_tokens.weight")
+                     "shared_with_target": [k for k in SHARED[::-1]
                                             if dc is not None and k not in rep.stored]})
     return info
 

@@ -78,7 +78,7 @@ class EngineSpec:
     prefill_chunk: int | None = None  # tokens per prefill call (reference: ops.call_tokens; neuron: the planner's)
     tile: int = 256  # reference: prefill query tile
     cache_dir: str | None = None  # where s3:// models are downloaded
-    draft: str | None = None  # an EAGLE3 draft checkpoint: speculative decoding (reference backend)
+    draft: str | None = None  # an EAGLE3 draft checkpoint: speculative decoding
     num_speculative_tokens: int | None = None  # drafts per step with a draft (default 3)
 
     # ---- defaults ---------------------------------------------------------------------------------------------
@@ -156,14 +156,16 @@ class EngineSpec:
         return out + s._draft_problems()
 
     def _draft_problems(self) -> list[str]:
-        """Speculative decoding: an EAGLE3 draft on the reference backend, one process (the checkpoint itself is
-        checked when it loads, against the model: ``checkpoint.draft``)."""
+        """Speculative decoding with an EAGLE3 draft: on the reference backend in one process; on the neuron backends
+        the verify step returns logits to the host (no on-device sampling). The checkpoint itself is checked when it
+        loads, against the model (``checkpoint.draft``)."""
         if not self.draft:
             return [] if self.num_speculative_tokens is None else [
                 "num_speculative_tokens (--speculative-tokens) applies with a draft: add --draft DIR"]
         out = []
-        if _neuron(self.backend):
-            out.append("EAGLE3 on the neuron backend: not yet; use --backend reference")
+        if _neuron(self.backend) and self.on_device_sampling:
+            out.append("a draft with on_device_sampling: not yet; the verify step returns its logits and the host "
+                       "accepts the drafts: drop --on-device-sampling")
         if self.num_speculative_tokens < 1:
             out.append(f"num_speculative_tokens (--speculative-tokens) must be >= 1, got {self.num_speculative_tokens}")
         if self.backend == "reference" and self.tp > 1:

@@ -32,12 +32,13 @@ def require_sdk() -> None:
     _import("provider")
 
 
-def load_neuron_engine(spec, config):
+def load_neuron_engine(spec, config, drafter=None):
     """The :class:`minimax_m3.engine.Engine` of an :class:`minimax_m3.engine.spec.EngineSpec` over NxDI, for the
     model's parsed :class:`~minimax_m3.config.M3Config` ``config``: compiled NEFFs (``neuron``, at
-    ``spec.artifact_dir()``) or NxDI's CPU mode (``neuron-cpu``, ``to_cpu()``)."""
+    ``spec.artifact_dir()``) or NxDI's CPU mode (``neuron-cpu``, ``to_cpu()``); ``drafter``: the host drafter of
+    ``spec.draft`` (``minimax_m3.load`` builds it)."""
     engine = _import("provider")  # without the SDK: one NeuronUnavailableError saying what to install
-    return engine.load(spec, config)
+    return engine.load(spec, config, drafter=drafter)
 
 
 __all__ = ["INSTALL_HINT", "NeuronUnavailableError", "load_neuron_engine", "require_sdk", "sdk_available",

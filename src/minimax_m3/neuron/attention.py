@@ -21,6 +21,8 @@
   ``ops.decode_sparse_prior_active``); dense layers, and sparse layers whose bucket holds at most top-k blocks
   (the indexer would select them all), attend causally over the prior cache (``ops.decode_dense_prior_active``).
   Both steps are ``ops.prefill_step`` / ``ops.decode_step``, the code the reference model and ``test/xla`` run.
+* Speculative verify (NxDI's speculation graph, ``speculation_length = k + 1`` tokens per row, each row from its own
+  position): the group's step below, whatever the layout (one rank per head: the group of one).
 * **Sequence-sharded caches** (``kv_layout="sharded"``, G = ``num_cores_per_group`` > 1 ranks per KV head; and every
   context-encoding call when prompts are prefilled in chunks, ``prefill_chunk``): the step is
   ``ops.sharded_step.rank_attention`` over the rank's shard of the prior caches (decode: NxDI's bucket slice; context
@@ -159,24 +161,26 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
 
     # ---- decode -----------------------------------------------------------------------------------
     def attention_tokengen(self, Q, K, V, attention_mask, position_ids, past_key_value, active_mask, **kwargs):
-        if position_ids.shape[-1] != 1:
-            raise NotImplementedError("MiniMax-M3 decode takes one token per sequence (no speculation yet)")
         kc, vc = past_key_value[0], past_key_value[1]  # the bucket's prior cache, read only
         q_pos = position_ids[:, 0]
-        if self.group > 1:  # the rank's shard of the bucket's lines; the token is active where the rank owns it
-            rank = self.group_rank()
+        if self.group > 1 or position_ids.shape[-1] > 1:
+            # the rank's shard of the bucket's lines (all of them with one rank per head); the step's tokens are
+            # active where the rank owns them. A speculative verify step (k + 1 tokens per row from each row's own
+            # position, NxDI's speculation graph) takes this path whatever the layout
+            rank, t = self.group_rank(), position_ids.shape[-1]
+            q_pos = position_ids.to(torch.int64)
             iq, ik = (self._index[0], self._index[1]) if self.sparse else (None, None)
             act = sharded_step.token_active(K.to(kc.dtype), V.to(vc.dtype), None if ik is None else ik.to(kc.dtype),
                                             q_pos, rank, self.group)
-            return sharded_step.rank_attention(Q, kc, vc, act, q_pos.view(-1, 1), q_pos, rank, self.group_ops(),
+            return sharded_step.rank_attention(Q, kc, vc, act, q_pos, q_pos[:, 0], rank, self.group_ops(),
                                                self.scale, self.selection if self.sparse else None, iq,
-                                               past_key_value[2] if self.sparse else None, _topk_fn())
+                                               past_key_value[2] if self.sparse else None, _topk_fn(),
+                                               one_gather=t < ONE_GATHER_TOKENS)
         if not self.sparse:
             return ops.decode_step(Q, kc, vc, K.to(kc.dtype), V.to(vc.dtype), q_pos, self.scale)
         iq, ik, _, ikc = self._index  # validate_config keeps token-generation buckets block-aligned
         return ops.decode_step(Q, kc, vc, K.to(kc.dtype), V.to(vc.dtype), q_pos, self.scale, self.selection, iq, ikc,
                                ik.to(ikc.dtype))
-
 
     # ---- the sharded / chunked step ------------------------------------------------------------------------
     def group_rank(self):
@@ -199,6 +203,11 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         return sharded_step.rank_attention(Q, prior[0], prior[1], act, q_pos, start, rank, self.group_ops(), self.scale,
                                            self.selection if self.sparse else None, iq,
                                            prior[2] if self.sparse else None, _topk_fn())
+
+
+# a token-generation call of fewer tokens per row (decode, a speculative verify step) sends its query heads and
+# selection candidates in one all-gather (``sharded_step.rank_attention``)
+ONE_GATHER_TOKENS = 16
 
 
 def _topk_fn():

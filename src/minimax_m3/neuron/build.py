@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint import fp8_experts
+from ..checkpoint.draft import check_draft
 from ..config import sharding
 from ..config.m3 import M3Config
 from ..engine.spec import EngineSpec
@@ -42,14 +43,24 @@ def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
         kw.update(fp8_experts.neuron_config_kwargs(), quantized_checkpoints_path=str(spec.model))
     if spec.on_device_sampling:  # seeded draws among NxDI's global top-256; only token ids leave the device
         kw.update(on_device_sampling_config=sampling.on_device_sampling_config())
+    if spec.draft:  # NxDI's speculation graph verifies k drafts in one step of k + 1 tokens per row
+        kw.update(speculation_length=spec.num_speculative_tokens + 1)
     kw.update(extra)
     return MiniMaxM3NeuronConfig(**kw)
 
 
 def inference_config(spec: EngineSpec, config: M3Config, **extra) -> MiniMaxM3InferenceConfig:
     """The NxDI inference config of a resolved ``spec`` over the model's parsed ``config`` (config.json is not read
-    again); ``validate_config``'s problems as one :class:`~minimax_m3.errors.ServingError`."""
-    return MiniMaxM3InferenceConfig(neuron_config(spec, **extra), load_config=config_hook(config, spec.model))
+    again); with a draft (``spec.draft``, a local directory: checked against the model here, one ``DraftError``)
+    every call also returns the target states the draft reads. ``validate_config``'s problems as one
+    :class:`~minimax_m3.errors.ServingError`."""
+    aux = ()
+    if spec.draft:
+        rep = check_draft(spec.draft, config)
+        rep.raise_if_problems()
+        aux = rep.config.aux_layers(config.num_layers)
+    return MiniMaxM3InferenceConfig(neuron_config(spec, **extra), load_config=config_hook(config, spec.model),
+                                    aux_hidden_layers=aux)
 
 
 def application(model: str, config: MiniMaxM3InferenceConfig) -> NeuronMiniMaxM3ForCausalLM:

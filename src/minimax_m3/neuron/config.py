@@ -76,9 +76,10 @@ UNSUPPORTED = (
     (lambda kw: kw.get("is_block_kv_layout") and not (kw.get("is_prefix_caching") or kw.get("chunked_prefill_config")),
      f"is_block_kv_layout: {_NO_BLOCK_KV}; remove it from override_neuron_config"),
     (lambda kw: kw.get("enable_fused_speculation") or kw.get("enable_eagle_speculation")
-     or kw.get("speculation_length") or kw.get("medusa_speculation_length"),
-     "speculative decoding: decode takes one token per sequence; remove --speculative-config (and the "
-     "speculation fields of override_neuron_config)"),
+     or kw.get("medusa_speculation_length"),
+     "fused (EAGLE) speculation: not yet (the port verifies drafts in its speculation graph, speculation_length, "
+     "with the draft on the host: minimax-m3 --draft); remove --speculative-config (and the speculation fields of "
+     "override_neuron_config)"),
 )
 
 
@@ -196,6 +197,9 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         # attention and cache manager own the layout)
         self.kv_layout = getattr(self, "kv_layout", None) or KV_LAYOUTS[0]
         self.num_cores_per_group = kv_group(self)
+        # speculative decoding with an EAGLE3 draft: the target layers whose input states the draft reads (vLLM's
+        # ids), returned by every call as ``aux_states`` (``NeuronMiniMaxM3Model``)
+        self.aux_hidden_layers = tuple(sorted(getattr(self, "aux_hidden_layers", None) or ()))
 
         nc = self.neuron_config
         nc.glu_mlp, nc.glu_type = True, "swiglu"
@@ -248,6 +252,12 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
             problems.append("hybrid_sharding_config shifts NxD's up clamp twice (+2); not supported")
         if nc.cp_degree > 1 or nc.attention_dp_degree > 1:
             problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
+        if nc.speculation_length and (nc.on_device_sampling_config is not None or nc.async_mode):
+            problems.append("speculation_length (a draft) with on-device sampling or async mode: not yet; the verify "
+                            "step returns every position's logits to the host, which accepts the drafts")
+        bad = [j for j in self.aux_hidden_layers if not 0 <= j < c.num_layers]
+        if bad:
+            problems.append(f"aux_hidden_layers {bad}: a target layer id in [0, {c.num_layers})")
         tp = nc.tp_degree
         problems += sharding.model_problems(c, tp, nc.moe_ep_degree)
         if not problems:

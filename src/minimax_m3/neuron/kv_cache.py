@@ -12,7 +12,8 @@ carried exactly like K and V. Layers receive ``past_key_value = [K, V, index_K]`
 * prefill, continuous batching (``ctx_batch_size=1``): row ``seq_ids[0]``, slots ``0..S-1``, written with
   constant position indices as NxDI writes K/V there (``update_cache_const_indices``);
 * decode: row r for batch row r, slot ``position_ids[r]`` (NxDI's scatter when ``batch_size ==
-  kv_cache_batch_size``, which ``validate_config`` requires);
+  kv_cache_batch_size``, which ``validate_config`` requires); a speculative verify step writes its ``k + 1`` tokens
+  per row at ``position_ids[r, :]`` the same way;
 * reads take the rows NxDI's ``get_kv_by_layer_id`` takes (padding rows dropped).
 
 **Sharded layout** (``config.kv_layout == "sharded"`` and G = ``config.num_cores_per_group`` > 1 ranks per KV head,
@@ -126,16 +127,22 @@ class M3KVCacheManager(KVCacheManager):
         return [x for pair in zip(k_out, v_out) for x in pair] + ik_out
 
     def write_tokens(self, position_ids, new_key_values) -> list[torch.Tensor]:
-        """Decode on the sharded layout: row r's token (cache row r) on the rank owning its position."""
-        pos, rank = position_ids[:, 0].to(torch.int64), self.group_rank()
+        """Decode (or a speculative verify step's ``T`` tokens per row) on the sharded layout: row r's tokens (cache
+        row r) on the ranks owning their positions. One scatter per token: a row's consecutive positions can share a
+        rank's slot index (``p div G``) only across ranks, never within one scatter."""
+        rank = self.group_rank()
         kv, ik_out = [], []
         for layer, new in enumerate(new_key_values):
             k, v = self.kv_lines(layer)
-            kv += [ops.sharded.write_token(k.clone(), new[0], pos, rank, self.group, seq_dim=2),
-                   ops.sharded.write_token(v.clone(), new[1], pos, rank, self.group, seq_dim=2)]
+            lines = [(k.clone(), new[0], 2), (v.clone(), new[1], 2)]
             if layer in self.index_slot:
-                ik = self.index_k_cache(layer)
-                ik_out.append(ops.sharded.write_token(ik.clone(), new[2], pos, rank, self.group, seq_dim=1))
+                lines.append((self.index_k_cache(layer).clone(), new[2], 1))
+            for t in range(position_ids.shape[1]):
+                pos = position_ids[:, t].to(torch.int64)
+                for line, tokens, dim in lines:
+                    ops.sharded.write_token(line, tokens.narrow(dim, t, 1), pos, rank, self.group, seq_dim=dim)
+            kv += [lines[0][0], lines[1][0]]
+            ik_out += [line for line, _, _ in lines[2:]]
         return kv + ik_out
 
 

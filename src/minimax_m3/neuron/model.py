@@ -87,6 +87,18 @@ class NeuronMiniMaxM3Model(nxd_compat.OnDeviceSamplingHook, NeuronBaseModel):
         self.lm_head = ColumnParallelLinear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype,
                                             gather_output=not self.on_device_sampling, pad=True,
                                             keep_padded_output=True)
+        # a draft's target states (EAGLE3): the residual stream entering each of these layers, every position of
+        # the call, concatenated in ascending order as one more output after the caches (``aux_states``)
+        self.aux_layers = tuple(sorted(getattr(config, "aux_hidden_layers", None) or ()))
+        self._aux = {}
+        for j in self.aux_layers:
+            self.layers[j].register_forward_pre_hook(self._keep_aux(j), with_kwargs=True)
+
+    def _keep_aux(self, j: int):
+        def hook(module, args, kwargs):
+            self._aux[j] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
 
     def forward(self, input_ids, attention_mask, position_ids, *args, **kwargs):
         """NxDI's forward, with the prefill's last real token found from the attention mask (see
@@ -97,7 +109,10 @@ class NeuronMiniMaxM3Model(nxd_compat.OnDeviceSamplingHook, NeuronBaseModel):
             # right padding: the last real token of a row is its mask's length - 1. NxDI infers a width-0 mask
             # for a one-token prompt without one (vllm-neuron passes none), hence at least one token.
             self._last_real = attention_mask.sum(dim=1).clamp(min=1) - 1
-        return super().forward(input_ids, attention_mask, position_ids, *args, **kwargs)
+        outputs = super().forward(input_ids, attention_mask, position_ids, *args, **kwargs)
+        if self.aux_layers:  # after the caches: NxDI's cache aliasing counts from the front
+            outputs = list(outputs) + [torch.cat([self._aux.pop(j) for j in self.aux_layers], dim=-1)]
+        return outputs
 
     def get_model_output(self, *args, **kwargs):
         """NxDI picks the prefill's last token by the largest position, but pads positions with 1, so a one-token
@@ -185,7 +200,7 @@ def prefill_in_chunks(app, forward, kw: dict):
     from the call holding its last real token (right padding), all-position logits concatenated
     (``prefill_all_logits``). After the first call every column, padding included, is at position ``p0 + i`` (the
     cache manager writes a chunk from its first position; a row already complete writes only past its end), and a
-    1-token last call is sent 2 wide so NxDI routes it to context encoding."""
+    last call 1 token (or ``speculation_length`` tokens) wide is sent wider so NxDI routes it to context encoding."""
     chunk, ids, pos = app.neuron_config.prefill_chunk, kw.get("input_ids"), kw.get("position_ids")
     if not chunk or ids is None or pos is None or ids.shape[-1] <= chunk or not app._is_prefill(pos):
         return forward(**kw)
@@ -199,11 +214,14 @@ def prefill_in_chunks(app, forward, kw: dict):
         w = min(chunk, n - p0)
         part = {**kw, "input_ids": ids[:, p0:p0 + w], "attention_mask": mask[:, p0:p0 + w],
                 "position_ids": pos[:, p0:p0 + w]}
+        wide = w
+        while p0 and wide in (1, app.neuron_config.speculation_length):  # NxDI would route it to token generation
+            wide += 1
         if p0:
-            part["position_ids"] = (p0 + torch.arange(max(w, 2), dtype=pos.dtype)).expand(b, -1).contiguous()
-        if p0 and w == 1:
-            part["input_ids"] = torch.nn.functional.pad(part["input_ids"], (0, 1), value=app.config.pad_token_id)
-            part["attention_mask"] = torch.nn.functional.pad(part["attention_mask"], (0, 1))
+            part["position_ids"] = (p0 + torch.arange(wide, dtype=pos.dtype)).expand(b, -1).contiguous()
+        if wide > w:
+            part["input_ids"] = torch.nn.functional.pad(part["input_ids"], (0, wide - w), value=app.config.pad_token_id)
+            part["attention_mask"] = torch.nn.functional.pad(part["attention_mask"], (0, wide - w))
         outs.append(forward(**part))
         widths.append(w)
     return _merge(outs, widths, holder, app.neuron_config.prefill_all_logits)
@@ -229,12 +247,15 @@ def _merge(outs, widths, holder, all_positions: bool):
                 rows = holder == k
                 picked[rows] = v[rows]
             merged[name] = picked
+    states = [getattr(o, "aux_states", None) for o in outs]  # a draft's target states: every position
+    if all(torch.is_tensor(v) for v in states):
+        merged["aux_states"] = torch.cat([v[:, :w] for v, w in zip(states, widths)], dim=1)
     for name, value in merged.items():
         setattr(out, name, value)
     return out
 
 
-class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
+class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCausalLM):
     _model_cls = NeuronMiniMaxM3Model
 
     @classmethod
@@ -270,10 +291,12 @@ class NeuronMiniMaxM3ForCausalLM(NeuronBaseForCausalLM):
 
     def _is_prefill(self, position_ids):
         """NxDI sends a call to the context-encoding graph when its positions start at 0; a call of a chunked
-        prefill starts at ``p0 > 0`` and is one too: any call wider than one token (decode is one token wide: the
-        port has no speculation). Targets NxDI 0.9 (``models/model_base.py``: ``NeuronBaseForCausalLM._is_prefill``,
-        private; the synchronous and the async paths both route by it)."""
-        return position_ids.shape[-1] > 1 or super()._is_prefill(position_ids)
+        prefill starts at ``p0 > 0`` and is one too: any call wider than one token that is not a speculative verify
+        step (``speculation_length`` wide; the chunk loop never sends a chunk that wide). Targets NxDI 0.9
+        (``models/model_base.py``: ``NeuronBaseForCausalLM._is_prefill``, private; the synchronous and the async
+        paths both route by it)."""
+        width = position_ids.shape[-1]
+        return width > 1 and width != self.neuron_config.speculation_length or super()._is_prefill(position_ids)
 
     def forward(self, *args, **kwargs):
         """NxDI's forward, in calls of at most ``prefill_chunk`` tokens when a prefill is wider

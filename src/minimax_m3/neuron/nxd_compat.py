@@ -35,7 +35,7 @@ def to_cpu(app) -> None:
     call makes NxDI reuse the existing group after we check that it has the size NxDI would have asserted."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and "WORLD_SIZE" in os.environ):
-        app.to_cpu()
+        _to_cpu(app)
         return
     want = app.neuron_config.world_size
     if dist.get_world_size() != want or dist.get_backend() != "gloo":
@@ -43,9 +43,22 @@ def to_cpu(app) -> None:
                            f"host NxDI's CPU mode (gloo, world {want})")
     world = os.environ.pop("WORLD_SIZE")
     try:
-        app.to_cpu()
+        _to_cpu(app)
     finally:
         os.environ["WORLD_SIZE"] = world
+
+
+def _to_cpu(app) -> None:
+    """NxDI's ``to_cpu`` refuses any ``speculation_length`` ("not yet supported for CPU inference") before it builds
+    anything; the flag is read there only (the submodels were built with their own configs in ``__init__``), so a
+    build with the speculation graph is loaded with it hidden for the call. Copying the caches back after a call is
+    :class:`SpeculationOutputs`' part."""
+    spec = app.neuron_config.speculation_length
+    app.neuron_config.speculation_length = 0
+    try:
+        app.to_cpu()
+    finally:
+        app.neuron_config.speculation_length = spec
 
 
 # ---- the KV group (sequence-sharded caches) ----------------------------------------------------------------------
@@ -183,6 +196,39 @@ class OnDeviceSamplingHook:
             if tokens is not None:
                 return tokens
         return super()._sample_on_device(logits, sampling_params, is_for_speculation, is_for_context_encoding)
+
+
+class SpeculationOutputs:
+    """Mixin for the application (``NeuronBaseForCausalLM``): the outputs of a build with the speculation graph
+    (``speculation_length > 0``: context encoding + speculation, no one-token graph) and of a traced model that
+    appends the draft's target states after its caches (``aux_states``).
+
+    Targets NxDI 0.9 (``models/model_base.py``: ``NeuronBaseForCausalLM._copy_past_key_values`` and
+    ``_get_constructed_outputs``, private). In CPU mode NxDI copies every output after the first back into
+    ``token_generation_model``'s and ``context_encoding_model``'s caches: the first does not exist in a speculation
+    build and a trailing state output is not a cache. Here the caches go to every submodel's cache manager and the
+    states to the output's ``aux_states``; on device NxDI keeps the aliased caches and returns the rest."""
+
+    def _copy_past_key_values(self, outputs):
+        if self.neuron_config.enable_fused_speculation:
+            return super()._copy_past_key_values(outputs)
+        first = 1 + (1 if self.neuron_config.output_logits and self.neuron_config.on_device_sampling_config else 0)
+        if self.neuron_config.tensor_capture_config:
+            first += self.neuron_config.tensor_capture_config.get_offset()
+        caches = outputs[first:len(outputs) - (1 if self.config.aux_hidden_layers else 0)]
+        for wrapper in self.models:
+            for i, cache in enumerate(caches):
+                wrapper.model.kv_mgr.past_key_values[i].data = cache
+
+    def _get_constructed_outputs(self, outputs, is_run_on_neuron):
+        aux = None
+        if self.config.aux_hidden_layers:  # on device: [tokens or logits, states] (the caches stay aliased)
+            outputs, aux = list(outputs[:-1]), outputs[-1]
+            if is_run_on_neuron and len(outputs) == 1:
+                outputs = outputs[0]
+        out = super()._get_constructed_outputs(outputs, is_run_on_neuron)
+        out.aux_states = aux
+        return out
 
 
 def sampler_global_top_k(sampler, logits: torch.Tensor, dim: int, rank_id):

@@ -87,6 +87,7 @@ class NeuronProvider:
         self.app.reset()
         out = self.app(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=seq_ids,
                        **self._sampling_params(len(rows)))
+        self._states = getattr(out, "aux_states", None)  # a draft's target states, every position (with a draft)
         tokens = out.tokens.reshape(-1) if self.odsc is not None else None
         if getattr(out, "logits", None) is None:
             return [None] * len(rows), tokens
@@ -136,11 +137,84 @@ class NeuronProvider:
         return self._static(prompts)[0]
 
 
+class SpeculativeNeuronProvider(NeuronProvider):
+    """A :class:`NeuronProvider` of a build with a draft (``speculation_length = k + 1``: NxDI's context-encoding and
+    speculation graphs, no one-token graph) speculating with a drafter on the host (an
+    :class:`~minimax_m3.reference.eagle3.Eagle3Drafter`, or any object with its ``aux_layers``, ``reset``,
+    ``extend`` and ``propose``): the one generation loop calls ``propose``, ``verify`` and ``accept``.
+
+    ``verify`` is ONE call of the speculation graph for every cache row: row ``r`` feeds ``[last, drafts...]`` at its
+    own positions ``p .. p + k`` (padding tokens after fewer drafts; idle rows a dummy step at positions ``1 ..``),
+    which writes the ``k + 1`` cache entries and attends causally; the call also returns the target states the
+    draft reads (``aux_states``). Entries past the accepted prefix are never read (every read is causal and the next
+    verify writes its positions before it attends), so a verify step may write up to ``k`` positions past the last
+    token: ``max_seq_len`` is the cache length less ``k``."""
+
+    def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config, drafter, k: int):
+        super().__init__(app, config)
+        self.drafter, self.speculative_tokens = drafter, k
+        self.width = app.neuron_config.speculation_length
+        if self.width != k + 1 or self.odsc is not None:
+            raise EngineInputError(f"speculating with {k} drafts needs a build with speculation_length {k + 1} and no "
+                                   f"on-device sampling (this one: {self.width}, "
+                                   f"{'on' if self.odsc is not None else 'off'})")
+        self.max_seq_len = self.max_seq_len - k
+        self._verified: dict[int, tuple[int, list[int], torch.Tensor | None]] = {}
+
+    def start(self, gen: GenerationConfig) -> None:
+        super().start(gen)
+        self.drafter.reset(self.max_batch, self.app.neuron_config.seq_len)
+
+    def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int = 0):
+        self._prompt_states = {}
+        out = super().prefill(prompts, slots, max_len)
+        for p, r in zip(prompts, slots):
+            self.drafter.extend(r, 0, self._prompt_states.pop(r, None), p[1:])
+        return out
+
+    def _call(self, rows, seq_ids):
+        out = super()._call(rows, seq_ids)
+        if self._states is not None:
+            for i, (row, slot) in enumerate(zip(rows, seq_ids.tolist())):
+                self._prompt_states.setdefault(slot, self._states[i, :len(row)].float())
+        return out
+
+    def propose(self, slots: list[int], lasts: list[int], positions: list[int], ks: list[int],
+                choose) -> list[list[int]]:
+        """Per row: ``ks[i]`` drafts for the positions after ``positions[i]`` (token ``lasts[i]``)."""
+        return [self.drafter.propose(r, last, p, k, lambda j, x, i=i: choose(i, j, x))
+                for i, (r, last, p, k) in enumerate(zip(slots, lasts, positions, ks))]
+
+    @torch.no_grad()
+    def verify(self, slots: list[int], tokens: list[list[int]], positions: list[int]) -> list[torch.Tensor]:
+        """Per row: float32 logits ``[len(tokens[i]), vocab]`` of ``tokens[i]`` at ``positions[i] ..``, one call."""
+        n, w = self.max_batch, self.width
+        ids = torch.zeros(n, w, dtype=torch.long)
+        pos = (1 + torch.arange(w)).expand(n, w).clone()
+        for r, toks, p in zip(slots, tokens, positions):
+            ids[r, :len(toks)] = torch.tensor(toks)
+            pos[r] = p + torch.arange(w)
+        out = self.app(input_ids=ids, position_ids=pos, seq_ids=torch.arange(n))
+        logits, states = out.logits.float(), getattr(out, "aux_states", None)
+        for r, toks, p in zip(slots, tokens, positions):
+            self._verified[r] = (p, toks, None if states is None else states[r].float())
+        return [logits[r, :len(toks)] for r, toks in zip(slots, tokens)]
+
+    def accept(self, slots: list[int], accepted: list[int]) -> None:
+        """Row ``slots[i]`` kept its last token and ``accepted[i]`` drafts of the last :meth:`verify`."""
+        for r, a in zip(slots, accepted):
+            p, toks, states = self._verified.pop(r)
+            self.drafter.extend(r, p, None if states is None else states[:a + 1], toks[1:a + 1])
+
+
 class NeuronEngine(Engine):
     """The generation loop over a :class:`NeuronProvider` (``engine.app`` is the NxDI application)."""
 
-    def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config, spec: EngineSpec | None = None):
-        super().__init__(NeuronProvider(app, config), spec)
+    def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config, spec: EngineSpec | None = None,
+                 drafter=None):
+        k = spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else 3
+        provider = NeuronProvider(app, config) if drafter is None else SpeculativeNeuronProvider(app, config, drafter, k)
+        super().__init__(provider, spec)
         self.app = app
 
     @classmethod
@@ -150,10 +224,14 @@ class NeuronEngine(Engine):
         return load(spec, M3Config.from_pretrained(spec.model))
 
 
-def load(spec: EngineSpec, config: M3Config, compile_missing: bool = True) -> NeuronEngine:
+def load(spec: EngineSpec, config: M3Config, compile_missing: bool = True, drafter=None) -> NeuronEngine:
     """The neuron engine of ``spec`` (validated here against the model's parsed ``config``; config.json is not read
     again): NxDI's CPU mode (``neuron-cpu``), or the NEFFs at ``spec.artifact_dir()`` (compiled there first when
-    missing and ``compile_missing``)."""
+    missing and ``compile_missing``). With ``spec.draft``, ``drafter`` drafts on the host (an
+    :class:`~minimax_m3.reference.eagle3.Eagle3Drafter`: ``minimax_m3.load_engine`` builds it)."""
+    if spec.draft and drafter is None:
+        raise EngineInputError(f"a spec with a draft ({spec.draft}) needs its drafter: load it with "
+                               "minimax_m3.load_engine, which builds the host drafter")
     spec = spec.validate(config)
     app = application(spec.model, inference_config(spec, config))
     if spec.backend == "neuron-cpu":
@@ -169,4 +247,4 @@ def load(spec: EngineSpec, config: M3Config, compile_missing: bool = True) -> Ne
             app.compile(path)
             spec.write_artifact(path)
         app.load(path)
-    return NeuronEngine(app, config, spec)
+    return NeuronEngine(app, config, spec, drafter)

@@ -4,11 +4,12 @@ tests' simulated group.
 
 **Prior + active.** The caches are read, never written, here (the cache manager writes the step's tokens once, after
 the layer, as NxDI does): a call of ``T`` tokens at positions ``start .. start+T-1`` (a prefill chunk, ``start`` a
-multiple of ``G``) or one token per row at ``q_pos`` (decode, ``start = q_pos``) attends to
+multiple of ``G``), one token per row at ``q_pos`` (decode, ``start = q_pos``) or ``k + 1`` tokens per row from its
+own position (a speculative verify step, ``start = q_pos[:, 0]``, any residue) attends to
 
 * the PRIOR keys: the rank's shard slots of positions ``< start`` (:func:`ops.sharded.last_slot`), and
 * the ACTIVE keys: the call's own tokens this rank will own (:func:`chunk_active`: tokens ``start + j*G + rank``;
-  :func:`token_active`: the row's token where ``q_pos mod G == rank``, elsewhere none).
+  :func:`token_active`: a decode or verify step's tokens where ``q_pos mod G == rank``, elsewhere none).
 
 Every rank of the group computes the call's K/V/index-K for all ``T`` tokens (NxDI replicates the KV head over the
 group), keeps its residue and so reads ``1/G`` of every block.
@@ -16,12 +17,12 @@ group), keeps its residue and so reads ``1/G`` of every block.
 **Step** (:func:`rank_attention`), per layer: sparse layers first score the rank's prior and active index keys per
 block and keep their local top-k candidates (no query heads needed); an all-gather brings every rank the group's
 query heads (each rank then attends ``R = G x local heads``, the heads sharing each gathered block) and, sparse, the
-group's candidates, merged exactly (``ops.sharded.merge_candidates``, lower id wins ties) — in decode ONE all-gather
+group's candidates, merged exactly (``ops.sharded.merge_candidates``, lower id wins ties) — in decode (and a speculative verify step) ONE all-gather
 carries both (queries widened to float32, ids as float32: exact below 2**24 blocks); the partial softmax over the
 rank's keys of the selected blocks (prior: one gather of ``K x block/G`` keys per query; active: the call's residue,
 masked to the selected blocks); then ONE all-to-all by head hands each rank every rank's partial output, maximum and
 sum for its own heads, merged by log-sum-exp (``ops.sharded.combine``). Collectives per layer (``COLLECTIVES``):
-2 in decode, 3 in a sparse prefill call (query heads and candidates gathered apart: the queries stay in their
+2 in decode and verify, 3 in a sparse prefill call (query heads and candidates gathered apart: the queries stay in their
 dtype), 2 in a dense one. With ``G = 1`` (the replicated layout, or a prefill chunk at TP <= KV heads) the group ops
 are identities.
 """
@@ -39,7 +40,7 @@ from .sharded import _partial_softmax, _rank, combine, last_slot, local_candidat
 # what one layer adds per call, in order (kind, payload): the graph report lists these
 _MERGE = ("all-to-all", "partial outputs + softmax max and sum by head (f32)")
 COLLECTIVES = {
-    "sparse decode": (("all-gather", "query heads + selection candidates (f32)"), _MERGE),
+    "sparse decode": (("all-gather", "query heads + selection candidates (f32)"), _MERGE),  # and a verify step
     "sparse prefill": (("all-gather", "query heads"), ("all-gather", "selection candidates (f32 score, id)"), _MERGE),
     "dense": (("all-gather", "query heads"), _MERGE),
 }
@@ -100,10 +101,12 @@ def chunk_active(k, v, ik, start: torch.Tensor, rank, group: int) -> Active:
 
 
 def token_active(k, v, ik, q_pos: torch.Tensor, rank, group: int) -> Active:
-    """Decode: the row's token ``k, v [B, H, 1, D]`` (index key ``ik [B, 1, Di]``) is active on the rank that owns
-    position ``q_pos [B]``; elsewhere its position is set past the query (masked)."""
+    """Decode and verify: row ``b``'s ``T`` tokens ``k, v [B, H, T, D]`` (index keys ``ik [B, T, Di]``) at
+    positions ``q_pos [B, T]`` (consecutive from any start; ``[B]`` for one token) are active on the rank that owns
+    each position; elsewhere a token's position is set past the row's last query (masked)."""
+    q_pos = q_pos.view(q_pos.shape[0], -1)
     own = q_pos % group == _rank(rank, q_pos.device)
-    return Active(k, v, torch.where(own, q_pos, q_pos + 1).view(-1, 1), ik)
+    return Active(k, v, torch.where(own, q_pos, q_pos[:, -1:] + 1), ik)
 
 
 def block_scores(iq: torch.Tensor, ik_prior: torch.Tensor, act: Active, q_pos: torch.Tensor, start: torch.Tensor,
@@ -186,14 +189,17 @@ def _sparse(q, k, v, act: Active, act_keep, limit, blocks, per, block_size, scal
 def rank_attention(q_local: torch.Tensor, k_prior: torch.Tensor, v_prior: torch.Tensor, act: Active,
                    q_pos: torch.Tensor, start: torch.Tensor, rank, group: Group, scale: float, sel=None,
                    iq: torch.Tensor | None = None, ik_prior: torch.Tensor | None = None,
-                   topk_fn=None) -> torch.Tensor:
+                   topk_fn=None, one_gather: bool | None = None) -> torch.Tensor:
     """One rank's attention output ``[B, Hl, T, D]`` for its own query heads ``q_local [B, Hl, T, D]``.
 
     ``rank`` is the rank's index in the group (an int or a 0-d/1-element tensor: one SPMD graph for all ranks);
     ``sel`` (an ``ops.Selection``) with the group's index queries ``iq [B, H, T, Di]`` (the same on every rank of the
     group) and the prior index keys ``ik_prior [B, S/G, Di]`` makes the layer sparse; a line of at most ``topk``
-    blocks is attended densely (the indexer would select every block)."""
+    blocks is attended densely (the indexer would select every block). ``one_gather`` (default: ``T == 1``, decode)
+    sends the query heads and the candidates in one all-gather (queries widened to float32: a verify step's few
+    tokens per row; a prefill call keeps its queries in their dtype, two all-gathers)."""
     g, (b, hl, t, d) = group.size, q_local.shape
+    one_gather = t == 1 if one_gather is None else one_gather
     nblk = k_prior.shape[2] * g // sel.block_size if sel is not None else 0
     cands = None
     if sel is not None and nblk > sel.topk:
@@ -201,7 +207,7 @@ def rank_attention(q_local: torch.Tensor, k_prior: torch.Tensor, v_prior: torch.
         scores, ids = local_candidates(partial, q_pos, sel.block_size, sel.topk, sel.init_blocks, sel.local_blocks,
                                        topk_fn)
         cands = torch.stack([scores, ids.float()], dim=-1)  # [B, H, T, K, 2]
-    if cands is not None and t == 1:  # decode: one all-gather carries the query heads and the candidates
+    if cands is not None and one_gather:  # decode, verify: one all-gather carries the query heads and candidates
         h, kk = cands.shape[1], cands.shape[3]
         packed = torch.cat([q_local.float().transpose(1, 2).reshape(b, t, hl * d),
                             cands.transpose(1, 2).reshape(b, t, h * kk * 2)], dim=-1)

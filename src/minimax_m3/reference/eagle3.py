@@ -30,8 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
-from ..checkpoint.draft import open_draft
+from ..checkpoint.draft import open_draft, target_shared
 from ..config.draft import DraftConfig
+from ..config.m3 import M3Config
 from .model import M3Model
 
 Choose = Callable[[int, torch.Tensor], int]  # (draft index j, logits [vocab]) -> the drafted token id
@@ -134,16 +135,16 @@ _PARAMS = {**{f"layer.{n}.weight": n for n in ("input_layernorm", "hidden_norm",
            **{f"layer.mlp.{n}.weight": f"{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}}
 
 
-def build_draft(dc: DraftConfig, tensors: dict[str, torch.Tensor], target: M3Model, dtype: torch.dtype,
-                device) -> Eagle3Draft:
+def build_draft(dc: DraftConfig, tensors: dict[str, torch.Tensor], shared: dict[str, torch.Tensor],
+                dtype: torch.dtype, device) -> Eagle3Draft:
     """The draft module from its canonical tensors (:func:`minimax_m3.checkpoint.draft.open_draft`); the embedding
-    and lm_head fall back to the target's when the draft stores none."""
+    and lm_head the draft stores none of come from ``shared`` (the target's, by the draft's names)."""
     with torch.device("meta"):
         draft = Eagle3Draft(dc)
     state = {_PARAMS.get(k, k): v for k, v in tensors.items() if k not in ("d2t", "t2d")}
-    state.setdefault("embed_tokens.weight", target.embed_tokens.weight)
+    state.setdefault("embed_tokens.weight", shared.get("embed_tokens.weight"))
     if "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["embed_tokens.weight"] if dc.tie_word_embeddings else target.lm_head.weight
+        state["lm_head.weight"] = state["embed_tokens.weight"] if dc.tie_word_embeddings else shared["lm_head.weight"]
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     draft.load_state_dict(state, strict=True, assign=True)
     ids = torch.arange(dc.draft_vocab_size)
@@ -198,4 +199,13 @@ def load_drafter(path, target: M3Model) -> Eagle3Drafter:
     problem of a draft that does not fit), in the target's dtype and device."""
     dc, tensors = open_draft(path, target.config)
     w = target.lm_head.weight
-    return Eagle3Drafter(build_draft(dc, tensors, target, w.dtype, w.device), dc.aux_layers(target.config.num_layers))
+    shared = {"embed_tokens.weight": target.embed_tokens.weight, "lm_head.weight": w}
+    return Eagle3Drafter(build_draft(dc, tensors, shared, w.dtype, w.device), dc.aux_layers(target.config.num_layers))
+
+
+def load_host_drafter(path, target_path, target: M3Config, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    """The drafter of the EAGLE3 checkpoint at ``path`` on the host CPU, for a target held elsewhere (the Neuron
+    port): the tensors the draft shares are read from the target checkpoint at ``target_path``."""
+    dc, tensors = open_draft(path, target)
+    shared = target_shared(dc, tensors, target_path, target)
+    return Eagle3Drafter(build_draft(dc, tensors, shared, dtype, "cpu"), dc.aux_layers(target.num_layers))

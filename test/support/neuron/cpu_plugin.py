@@ -105,13 +105,13 @@ def _fill_engine_defaults() -> None:
         return
     original = neuron.load_neuron_engine
 
-    def load_neuron_engine(spec, config):
+    def load_neuron_engine(spec, config, drafter=None):
         if spec.backend == "neuron-cpu":
             import dataclasses
 
             defaults = {"tp": world_size(), "max_batch": DEFAULT_BATCH, "dtype": "float32"}
             spec = dataclasses.replace(spec, **{k: v for k, v in defaults.items() if getattr(spec, k) is None})
-        return original(spec, config)
+        return original(spec, config, drafter)
 
     load_neuron_engine._neuron_cpu_defaults = True
     neuron.load_neuron_engine = load_neuron_engine
