@@ -213,7 +213,8 @@ class NeuronEngine(Engine):
     def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config, spec: EngineSpec | None = None,
                  drafter=None):
         k = spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else 3
-        provider = NeuronProvider(app, config) if drafter is None else SpeculativeNeuronProvider(app, config, drafter, k)
+        provider = NeuronProvider(app, config) if drafter is None else \
+            SpeculativeNeuronProvider(app, config, drafter, k)
         super().__init__(provider, spec)
         self.app = app
 
