@@ -14,17 +14,17 @@ own position (a speculative verify step, ``start = q_pos[:, 0]``, any residue) a
 Every rank of the group computes the call's K/V/index-K for all ``T`` tokens (NxDI replicates the KV head over the
 group), keeps its residue and so reads ``1/G`` of every block.
 
-**Step** (:func:`rank_attention`), per layer: sparse layers first score the rank's prior and active index keys per
-block and keep their local top-k candidates (no query heads needed); an all-gather brings every rank the group's
-query heads (each rank then attends ``R = G x local heads``, the heads sharing each gathered block) and, sparse, the
-group's candidates, merged exactly (``ops.sharded.merge_candidates``, lower id wins ties) — in decode (and a
-speculative verify step) ONE all-gather carries both (queries widened to float32, ids as float32: exact below
-2**24 blocks); the partial softmax over the rank's keys of the selected blocks (prior: one gather of ``K x block/G`` keys per query; active: the call's residue,
-masked to the selected blocks); then ONE all-to-all by head hands each rank every rank's partial output, maximum and
-sum for its own heads, merged by log-sum-exp (``ops.sharded.combine``). Collectives per layer (``COLLECTIVES``):
-2 in decode and verify, 3 in a sparse prefill call (query heads and candidates gathered apart: the queries stay in their
-dtype), 2 in a dense one. With ``G = 1`` (the replicated layout, or a prefill chunk at TP <= KV heads) the group ops
-are identities.
+**Step** (:func:`rank_attention`), per layer: sparse layers first score the rank's prior and active index keys per block
+and keep their local top-k candidates (no query heads needed); an all-gather brings every rank the group's query heads
+(each rank then attends ``R = G x local heads``, the heads sharing each gathered block) and, sparse, the group's
+candidates, merged exactly (``ops.sharded.merge_candidates``, lower id wins ties) — in decode (and a speculative verify
+step) ONE all-gather carries both (queries widened to float32, ids as float32: exact below 2**24 blocks); the partial
+softmax over the rank's keys of the selected blocks (prior: one gather of ``K x block/G`` keys per query; active: the
+call's residue, masked to the selected blocks); then ONE all-to-all by head hands each rank every rank's partial output,
+maximum and sum for its own heads, merged by log-sum-exp (``ops.sharded.combine``). Collectives per layer
+(``COLLECTIVES``): 2 in decode and verify, 3 in a sparse prefill call (query heads and candidates gathered apart: the
+queries stay in their dtype), 2 in a dense one. With ``G = 1`` (the replicated layout, or a prefill chunk at TP <= KV
+heads) the group ops are identities.
 """
 
 from __future__ import annotations
