@@ -31,9 +31,9 @@ ARTIFACT_FILE = "minimax-m3-spec.json"  # in a compiled directory: the artifact 
 # the fields that change the compiled NEFFs (and so name the artifact directory)
 ARTIFACT_FIELDS = ("tp", "ep", "lnc", "dtype", "max_batch", "max_seq_len", "max_context_len", "context_buckets",
                    "token_buckets", "continuous_batching", "all_logits", "on_device_sampling", "weights",
-                   "prefill_chunk")
+                   "prefill_chunk", "draft", "num_speculative_tokens")
 # artifact fields added after records were first written: a record without one was compiled with this value
-_RECORD_DEFAULTS = {"weights": "bf16"}
+_RECORD_DEFAULTS = {"weights": "bf16", "draft": None, "num_speculative_tokens": None}
 WEIGHTS = ("bf16", "fp8")
 
 
