@@ -141,6 +141,24 @@ def _tensor_problems(rep: DraftReport, dc: DraftConfig) -> None:
                 rep.problems.append("t2d does not mark exactly the target ids d2t maps to")
 
 
+def draft_config(path: str | Path, target: M3Config) -> DraftConfig:
+    """The config of the draft at ``path``, checked against ``target`` (one :class:`DraftError` listing every
+    problem), reading ``config.json`` only: what a build needs of a draft (the target states it reads), before the
+    drafter loads its tensors (:func:`open_draft` checks those)."""
+    try:
+        raw = read_config(Path(path))
+    except CheckpointError as exc:
+        raise DraftError(exc.problems, f"EAGLE3 draft {path}") from None
+    problems = [] if is_draft_config(raw) else [
+        "config.json describes no EAGLE3 draft (no eagle_config, draft architecture or transformer_layer_config): "
+        "is this the target checkpoint?"]
+    dc, found = parse_draft_config(raw)
+    problems += found + (dc.target_problems(target) if dc is not None else [])
+    if problems:
+        raise DraftError(problems, f"EAGLE3 draft {path}")
+    return dc
+
+
 def check_draft(path: str | Path, target: M3Config | None = None) -> DraftReport:
     """Every problem of the draft at ``path`` (with ``target``: also its fit to the target). Never raises."""
     rep = DraftReport(Path(path))

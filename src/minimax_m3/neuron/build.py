@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint import fp8_experts
-from ..checkpoint.draft import check_draft
+from ..checkpoint.draft import draft_config
 from ..config import sharding
 from ..config.m3 import M3Config
 from ..engine.spec import EngineSpec
@@ -51,14 +51,10 @@ def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
 
 def inference_config(spec: EngineSpec, config: M3Config, **extra) -> MiniMaxM3InferenceConfig:
     """The NxDI inference config of a resolved ``spec`` over the model's parsed ``config`` (config.json is not read
-    again); with a draft (``spec.draft``, a local directory: checked against the model here, one ``DraftError``)
-    every call also returns the target states the draft reads. ``validate_config``'s problems as one
-    :class:`~minimax_m3.errors.ServingError`."""
-    aux = ()
-    if spec.draft:
-        rep = check_draft(spec.draft, config)
-        rep.raise_if_problems()
-        aux = rep.config.aux_layers(config.num_layers)
+    again); with a draft (``spec.draft``, a local directory whose ``config.json`` is read and checked against the
+    model here: one ``DraftError``) every call also returns the target states the draft reads.
+    ``validate_config``'s problems as one :class:`~minimax_m3.errors.ServingError`."""
+    aux = draft_config(spec.draft, config).aux_layers(config.num_layers) if spec.draft else ()
     return MiniMaxM3InferenceConfig(neuron_config(spec, **extra), load_config=config_hook(config, spec.model),
                                     aux_hidden_layers=aux)
 
