@@ -51,7 +51,7 @@ def engines(tmp_path_factory):
         num_speculative_tokens=K))
     ref = ReferenceEngine.from_pretrained(ck, device="cpu", dtype="float32", max_seq_len=256)
     golden = ReferenceEngine(copy.deepcopy(ref.model).double(), max_seq_len=256, max_batch_size=SLOTS)
-    return port, ref, golden
+    return port, ref, golden, draft
 
 
 def _bound(ref_err: float) -> float:
@@ -75,7 +75,7 @@ def test_verify_logits_at_each_rows_own_position(engines):
     """Two rows at different positions (one across an index-block boundary, both with blocks dropped), k + 1 tokens
     each, then a second verify after accepting one draft: the slots the first call wrote past the accepted prefix
     are rewritten before they are read."""
-    port, ref, golden = engines
+    port, ref, golden, _ = engines
     p = port.provider
     p.start(GenerationConfig())
     p.prefill([PROMPTS[0]], [0])
@@ -100,7 +100,7 @@ def test_verify_logits_at_each_rows_own_position(engines):
 
 
 def test_target_states_are_the_residual_streams_the_draft_reads(engines):
-    port, _, golden = engines
+    port, _, golden, _ = engines
     layers = port.provider.drafter.aux_layers
     assert port.app.config.aux_hidden_layers == layers
     ids = PROMPTS[1]
@@ -119,7 +119,7 @@ def test_target_states_are_the_residual_streams_the_draft_reads(engines):
 def test_drafted_greedy_is_plain_greedy_with_staggered_admissions(engines):
     """The synthetic EAGLE3 draft (random weights: it rarely agrees) through the one loop, three prompts in two
     slots, the first ending early so a slot is re-admitted while the other row is mid-decode."""
-    port, _, golden = engines
+    port, _, golden, _ = engines
     plain = golden.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=NEW))[0].tokens
     gen = GenerationConfig(max_new_tokens=NEW, eos_token_ids=(plain[4],))
     got, want = port.generate(PROMPTS, gen), golden.generate(PROMPTS, gen)
@@ -132,7 +132,7 @@ def test_measured_acceptance_equals_the_constructed_one(engines):
     the constructed number of drafts, so tokens per verify step is known in advance; the output stays plain greedy."""
     from minimax_m3.reference.speculative import ScriptedDrafter, acceptance_blocks
 
-    port, _, golden = engines
+    port, _, golden, _ = engines
     prompts = PROMPTS[1:]
     gen = GenerationConfig(max_new_tokens=NEW)
     plain = [w.tokens for w in golden.generate(prompts, gen)]
@@ -150,3 +150,21 @@ def test_measured_acceptance_equals_the_constructed_one(engines):
         t = g.timings
         assert t["spec_steps"] == len(steps) and t["accepted_tokens"] == sum(steps)
         assert abs(t["acceptance_length"] - (1 + sum(steps) / len(steps))) < 1e-9
+
+
+def test_seeded_sampling_is_the_references_alone_and_in_a_batch(engines):
+    """Speculative sampling with a seed: a sequence's tokens depend on its seed and its own positions only, so they
+    are the same alone, again, and beside another prompt, and equal to the float64 reference speculating with the
+    same draft."""
+    from minimax_m3.reference.eagle3 import load_drafter
+    from minimax_m3.reference.engine import ReferenceEngine
+
+    port, _, golden, draft = engines
+    gen = GenerationConfig(max_new_tokens=12, temperature=0.8, top_k=20, seed=7)
+    alone = port.generate([PROMPTS[1]], gen)[0]
+    again = port.generate([PROMPTS[1]], gen)[0].tokens
+    batched = port.generate([PROMPTS[0], PROMPTS[1]], gen)[1].tokens
+    model = golden.model
+    oracle = ReferenceEngine(model, max_seq_len=256, max_batch_size=1, drafter=load_drafter(draft, model),
+                             speculative_tokens=K).generate([PROMPTS[1]], gen)[0].tokens
+    assert alone.tokens == again == batched == oracle and alone.timings["spec_steps"] > 0

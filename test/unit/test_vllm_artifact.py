@@ -20,9 +20,9 @@ def test_a_serving_spec_has_no_problem():
 
 
 def test_what_vllm_neuron_would_build_differently_is_named_by_option():
-    got = serving_problems(_spec(all_logits=True, continuous_batching=False, max_context_len=4096))
-    assert len(got) == 3
-    for option, text in zip(("--all-logits", "--continuous-batching", "--max-context-len"), got):
+    got = serving_problems(_spec(all_logits=True, continuous_batching=False, max_context_len=4096, draft="d"))
+    assert len(got) == 4
+    for option, text in zip(("--all-logits", "--continuous-batching", "--max-context-len", "--draft"), got):
         assert text.startswith(option)
 
 

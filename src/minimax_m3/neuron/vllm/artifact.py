@@ -41,6 +41,9 @@ def serving_problems(spec: EngineSpec) -> list[str]:
     if spec.max_context_len != spec.max_seq_len:
         out.append(f"--max-context-len {spec.max_context_len}: vllm-neuron sets the longest prompt to --max-model-len "
                    f"(--max-seq-len {spec.max_seq_len}); drop --max-context-len")
+    if spec.draft:
+        out.append("--draft: vllm-neuron serves a draft only through NxDI's fused speculation, which the port does not "
+                   "build yet (docs/speculative.md); drop --draft and --speculative-tokens")
     return out
 
 
