@@ -139,6 +139,41 @@ def test_a_chunk_on_shards_equals_the_unsharded_prefill_of_the_written_cache(gro
         assert tuple(calls) == tuple(c for c, _ in ss.COLLECTIVES["sparse prefill" if sel else "dense"])
 
 
+@pytest.mark.parametrize("kind", list(SELS))
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_a_verify_step_on_shards_equals_the_unsharded_prefill_of_each_row(group, kind):
+    """A speculative verify step: ``T`` tokens per row from each row's own position (any residue mod G), the
+    tokens active on the ranks owning their positions, one all-gather (query heads and candidates packed) and one
+    all-to-all. Oracle: per row, ``ops.prefill_step(start=p)`` over the cache with the row's tokens written."""
+    sel, hq, t = SELS[kind], HL * group, 4
+    starts = torch.tensor([77, 45])  # different residues mod 2 and 4; row 0 crosses the block boundary at 80
+    q = _rand(B, hq, t, D, seed=31)
+    k, v = _rand(B, 1, t, D, seed=32), _rand(B, 1, t, D, seed=33)
+    iq, ik = _rand(B, 1, t, DI, seed=34, ints=True), _rand(B, t, DI, seed=35, ints=True)
+    kc, vc = _garbage_past(_rand(B, 1, S, D, seed=36), starts), _garbage_past(_rand(B, 1, S, D, seed=37), starts)
+    ikc = _garbage_past(_rand(B, S, DI, seed=38, ints=True), starts)
+    want = []
+    for b, p in enumerate(starts.tolist()):
+        kw, vw, ikw = kc[b:b + 1].clone(), vc[b:b + 1].clone(), ikc[b:b + 1].clone()
+        kw[:, :, p:p + t], vw[:, :, p:p + t], ikw[:, p:p + t] = k[b:b + 1], v[b:b + 1], ik[b:b + 1]
+        want.append(ops.prefill_step(q[b:b + 1], kw[:, :, :p + t], vw[:, :, :p + t], 0.25, t, sel, iq[b:b + 1],
+                                     ikw[:, :p + t] if sel else None, start=p))
+    want = torch.cat(want)
+    k_sh, v_sh, ik_sh = sh.shard(kc, group, 2), sh.shard(vc, group, 2), sh.shard(ikc, group, 1)
+    q_pos = starts.view(-1, 1) + torch.arange(t)
+
+    def rank(i, member):
+        act = ss.token_active(k, v, ik, q_pos, i, group)
+        return ss.rank_attention(q[:, i * HL:(i + 1) * HL], k_sh[i], v_sh[i], act, q_pos, starts, torch.tensor(i),
+                                 member, 0.25, sel, iq, ik_sh[i], one_gather=True)
+
+    outs, calls = _run(group, rank)
+    for i, out in enumerate(outs):
+        torch.testing.assert_close(out, want[:, i * HL:(i + 1) * HL], **TOL)
+    if group > 1:
+        assert tuple(calls) == tuple(c for c, _ in ss.COLLECTIVES["sparse decode" if sel else "dense"])
+
+
 def test_dense_prefill_is_tiled_by_queries_with_the_same_result(monkeypatch):
     """A dense chunk over a long prior splits its queries into tiles (``TILE_ELEMENTS``): same numbers."""
     t, start, group = 32, 64, 2
