@@ -1,6 +1,6 @@
 """The sequence-sharded layout (``ops.sharded``) against the unsharded ops.
 
-Oracles: the unsharded ``ops`` (``index_block_scores`` + ``select_blocks``, ``prefill_attention``, ``decode_step``;
+Oracles: the unsharded ``ops`` (``index_block_scores`` + ``select_blocks``, ``prefill_step``;
 graded against transformers in test_ops / test_prefill_chunks / test_decode_ops), a brute-force Python sort for the
 tie rule, and a hand-computed combine. Block ids must be EQUAL (ties included); attention within 1e-5 (float32).
 """
@@ -12,6 +12,7 @@ import torch
 
 from minimax_m3 import ops
 from minimax_m3.ops import sharded as sh
+from minimax_m3.ops import sharded_step as ss
 
 TOL = dict(rtol=0, atol=1e-5)
 B, HKV, R, D, DI, BS, TOPK = 2, 2, 2, 16, 8, 16, 3
@@ -158,51 +159,31 @@ def _model_inputs(s, seed):
             _rand(B, HKV, s, DI, seed=seed + 3), _rand(B, s, DI, seed=seed + 4))
 
 
-def _at(x, pos):
-    """Row i's token at ``pos[i]`` (the sequence is the second-last dim of ``x``)."""
-    return torch.stack([x[i, ..., pos[i]:pos[i] + 1, :] for i in range(B)])
-
-
-@pytest.mark.parametrize("group", GROUPS)
-@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
-def test_chunked_prefill_then_decode_equal_the_unsharded_ops(group, sparse):
-    s, chunk, total = 128, 32, 112  # 3 prefill chunks of 32 (and 16 more tokens), then decode crossing blocks
-    sel = ops.Selection(BS, TOPK, 1, 1) if sparse else None
-    scale = D ** -0.5
-    q, k, v, iq, ik = _model_inputs(total, seed=group)
-    one_shot = ops.prefill_attention(q[:, :, :96], k[:, :, :96], v[:, :, :96], scale,
-                                     **(dict(iq=iq[:, :, :96], ik=ik[:, :96], tile=40, **sel.kwargs()) if sel else {}))
-    ks = [torch.zeros(B, HKV, s // group, D) for _ in range(group)]
-    vs, iks = [torch.zeros_like(x) for x in ks], [torch.zeros(B, s // group, DI) for _ in range(group)]
-    for t0 in range(0, 96, chunk):
-        c = slice(t0, t0 + chunk)
-        got = sh.sharded_prefill_chunk(q[:, :, c], k[:, :, c], v[:, :, c], t0, ks, vs, scale, sel, iq[:, :, c],
-                                       ik[:, c], iks)
-        torch.testing.assert_close(got, one_shot[:, :, c], **TOL)
-    pad = lambda x, dim: torch.nn.functional.pad(x, (0, 0) * (x.dim() - dim - 1) + (0, s - 96))  # noqa: E731
-    kc, vc, ikc = pad(k[:, :, :96], 2), pad(v[:, :, :96], 2), pad(ik[:, :96], 1)
-    for p in range(96, total, 5):  # row 0 at p, row 1 at p - 40 (already written: overwritten with the same)
-        pos = torch.tensor([p, p - 40])
-        qn, kn, vn, iqn, ikn = (_at(x, pos) for x in (q, k, v, iq, ik))
-        want = ops.decode_step(qn, kc, vc, kn, vn, pos, scale, sel, iqn if sel else None, ikc if sel else None,
-                               ikn if sel else None)
-        got = sh.sharded_decode(qn, kn, vn, pos, ks, vs, scale, sel, iqn, ikn, iks)
-        torch.testing.assert_close(got, want, **TOL)
-        for i in range(B):  # the unsharded prior caches follow (the oracle's cache manager)
-            kc[i, :, pos[i]], vc[i, :, pos[i]], ikc[i, pos[i]] = kn[i, :, 0], vn[i, :, 0], ikn[i, 0]
+def _attend(q, k, v, q_pos, group, scale, blocks):
+    """Every rank's ``sharded_step.partial_attention`` over its shard of ``k, v [B, H, S, D]`` (the keys before the
+    first query as its prior, the queries' own tokens active on their owners), combined: the attention of the
+    queries ``q [B, Hq, Tq, D]`` at ``q_pos [B, Tq]`` (the last ``Tq`` positions)."""
+    tq, start = q.shape[2], q_pos[:, 0]
+    parts = []
+    for r, (kr, vr) in enumerate(zip(sh.shard(k, group, 2), sh.shard(v, group, 2))):
+        act = ss.token_active(k[:, :, -tq:], v[:, :, -tq:], None, q_pos, r, group)
+        parts.append(ss.partial_attention(q, kr, vr, act, q_pos, start, r, group, scale, blocks, BS))
+    return sh.combine(*(torch.stack(x) for x in zip(*parts)))
 
 
 @pytest.mark.parametrize("group", [4, 16])
 def test_partial_attention_reads_only_its_keys_of_the_selected_blocks(group):
     """A NaN planted in every key and value of a block no query of its row and KV head selected never reaches the
-    output (a masked product over the whole shard could not avoid it: 0 x NaN = NaN)."""
+    output (a masked product over the whole shard could not avoid it: 0 x NaN = NaN); the output is the unsharded
+    sparse attention."""
     s, tq, scale = 256, 4, D ** -0.5
     q, k, v, iq, ik = _model_inputs(s, seed=30)
-    q_pos = torch.tensor([[250, 251, 254, 255]] * B)
+    q_pos = torch.tensor([[252, 253, 254, 255]] * B)
     sel = ops.Selection(BS, TOPK, 0, 1)
     blocks = _unsharded_blocks(iq[:, :, -tq:], ik, q_pos, sel)
-    want = sh.sharded_attention(q[:, :, -tq:], sh.shard(k, group, 2), sh.shard(v, group, 2), q_pos, scale, blocks,
-                                BS)
+    want = _attend(q[:, :, -tq:], k, v, q_pos, group, scale, blocks)
+    oracle = ops.prefill_step(q[:, :, -tq:], k, v, scale, tq, sel, iq[:, :, -tq:], ik, start=s - tq)
+    torch.testing.assert_close(want, oracle, **TOL)
     k2, v2 = k.clone(), v.clone()
     for i in range(B):
         for h in range(HKV):
@@ -210,14 +191,13 @@ def test_partial_attention_reads_only_its_keys_of_the_selected_blocks(group):
                 k2[i, h, blk * BS:(blk + 1) * BS] = float("nan")
                 v2[i, h, blk * BS:(blk + 1) * BS] = float("nan")
     assert k2.isnan().any()
-    got = sh.sharded_attention(q[:, :, -tq:], sh.shard(k2, group, 2), sh.shard(v2, group, 2), q_pos, scale, blocks,
-                               BS)
+    got = _attend(q[:, :, -tq:], k2, v2, q_pos, group, scale, blocks)
     assert torch.equal(got, want)
 
 
 def test_gathered_bytes_are_counted_from_the_gathers():
-    """What partial_attention's gathers return (recorded under a dispatch mode) is gathered_kv_bytes per row and KV
-    head; for M3 (block 128, top-16, D 128, bf16, G = 16) that is 1 MiB per 16 queries."""
+    """What ``sharded_step.partial_attention``'s gathers return (recorded under a dispatch mode) is gathered_kv_bytes
+    per row and KV head; for M3 (block 128, top-16, D 128, bf16, G = 16) that is 1 MiB per 16 queries."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Gathers(TorchDispatchMode):
@@ -234,7 +214,9 @@ def test_gathered_bytes_are_counted_from_the_gathers():
     q_pos = torch.arange(s - tq, s).expand(B, tq)
     blocks = _unsharded_blocks(iq[:, :, -tq:], ik, q_pos, ops.Selection(BS, TOPK))
     shards = sh.shard(k.bfloat16(), group, 2), sh.shard(v.bfloat16(), group, 2)
+    act = ss.token_active(k[:, :, -tq:].bfloat16(), v[:, :, -tq:].bfloat16(), None, q_pos, 1, group)
     with Gathers():
-        sh.partial_attention(q[:, :, -tq:].bfloat16(), shards[0][1], shards[1][1], q_pos, 1, group, 0.25, blocks, BS)
+        ss.partial_attention(q[:, :, -tq:].bfloat16(), shards[0][1], shards[1][1], act, q_pos, q_pos[:, 0], 1, group,
+                             0.25, blocks, BS)
     assert Gathers.nbytes == B * HKV * sh.gathered_kv_bytes(tq, TOPK, BS, group, D, 2)
     assert sh.gathered_kv_bytes(16, 16, 128, 16, 128, 2) == 2 ** 20

@@ -1,8 +1,9 @@
 """Static-graph proof of the sequence-sharded layout's per-rank ops (``ops.sharded``) on the XLA CPU device.
 
-One rank's share of a prefill chunk and of a decode step: the chunk / token writes into the rank's shards, its
-partial block scores and local candidates, the merge of the group's candidates, its partial attention over the
-selected blocks and over its whole shard, and the combine. Outputs equal the eager CPU run (float32, <= 1e-5; block
+One rank's share of a prefill chunk and of a decode step (``ops.sharded_step``, as the port runs it, the collectives
+stood in): its block scores over its prior shard and active keys, local candidates, the merge of the group's
+candidates, its partial attention over the selected blocks and over its whole shard, the combine, and the chunk /
+token writes into the rank's shards. Outputs equal the eager CPU run (float32, <= 1e-5; block
 ids identical), one compilation for a new shape, none for new data, other positions or ANOTHER RANK (the rank is a
 tensor: one SPMD graph serves the group), and no op falls back to the CPU (fixture ``xla``).
 """
@@ -10,6 +11,7 @@ tensor: one SPMD graph serves the group), and no op falls back to the CPU (fixtu
 import torch
 
 from minimax_m3.ops import sharded as sh
+from minimax_m3.ops import sharded_step as ss
 
 from .conftest import run_on_xla
 
@@ -28,24 +30,28 @@ def _inputs(seed: int, start: int, pos: list[int], rank: int):
 
 
 def _rank_step(kc, vc, ikc, q, k, v, iq, ik, qt, kt, vt, iqt, ikt, other_s, other_i, start, pos, rank):
-    """A rank's prefill chunk at ``start`` then a decode step at ``pos`` (the other ranks' candidates and
-    statistics are stand-ins: the collectives are not part of the graph)."""
+    """A rank's prefill chunk at ``start`` (its prior shard plus its residue of the chunk, ``ops.sharded_step``), the
+    chunk then written, and a decode step at ``pos`` (the other ranks' candidates and statistics are stand-ins: the
+    collectives are not part of the graph)."""
     scale = D ** -0.5
-    for cache, new, dim in ((kc, k, 2), (vc, v, 2), (ikc, ik, 1)):
-        sh.write_chunk(cache, new, start, rank, G, seq_dim=dim)
+    starts = start.expand(B)
     q_pos = (start + torch.arange(T, device=q.device)).expand(B, T)
-    cand = sh.local_candidates(sh.partial_block_scores(iq, ikc, q_pos, BS, rank, G), q_pos, BS, TOPK, 1, 1)
+    act = ss.chunk_active(k, v, ik, starts, rank, G)
+    cand = sh.local_candidates(ss.block_scores(iq, ikc, act, q_pos, starts, BS, rank, G), q_pos, BS, TOPK, 1, 1)
     blocks = sh.merge_candidates(torch.cat([cand[0][None], other_s[1:]]), torch.cat([cand[1][None], other_i[1:]]),
                                  S // BS, TOPK)
-    o, m, s = sh.partial_attention(q, kc, vc, q_pos, rank, G, scale, blocks, BS)
+    o, m, s = ss.partial_attention(q, kc, vc, act, q_pos, starts, rank, G, scale, blocks, BS)
     prefill = sh.combine(torch.stack([o, o.flip(1)]), torch.stack([m, m - 1]), torch.stack([s, s]))
+    for cache, new, dim in ((kc, k, 2), (vc, v, 2), (ikc, ik, 1)):
+        sh.write_chunk(cache, new, start, rank, G, seq_dim=dim)
+    p1 = pos.view(B, 1)
+    act_t = ss.token_active(kt, vt, ikt, pos, rank, G)
+    cand_t = sh.local_candidates(ss.block_scores(iqt, ikc, act_t, p1, pos, BS, rank, G), p1, BS, TOPK, 1, 1)
+    blocks_t = sh.merge_candidates(cand_t[0][None], cand_t[1][None], S // BS, TOPK)
+    sparse = ss.partial_attention(qt, kc, vc, act_t, p1, pos, rank, G, scale, blocks_t, BS)
+    dense = ss.partial_attention(qt, kc, vc, act_t, p1, pos, rank, G, scale)
     for cache, new, dim in ((kc, kt, 2), (vc, vt, 2), (ikc, ikt, 1)):
         sh.write_token(cache, new, pos, rank, G, seq_dim=dim)
-    p1 = pos.view(B, 1)
-    cand_t = sh.local_candidates(sh.partial_block_scores(iqt, ikc, p1, BS, rank, G), p1, BS, TOPK, 1, 1)
-    blocks_t = sh.merge_candidates(cand_t[0][None], cand_t[1][None], S // BS, TOPK)
-    sparse = sh.partial_attention(qt, kc, vc, p1, rank, G, scale, blocks_t, BS)
-    dense = sh.partial_attention(qt, kc, vc, p1, rank, G, scale)
     return prefill, blocks, *sparse, *dense, blocks_t, kc, ikc
 
 

@@ -20,20 +20,19 @@ over-scored. Ties: the lower block id wins on every rank, in the merge and in ``
 the ids equal ``select_blocks(index_block_scores(...))`` on the unsharded cache, ties included (tested).
 
 **Attention** ("flash" style, decode and prefill alike). Each rank attends the ``R`` query heads of its group (an
-all-gather of the queries) to ITS keys: of the selected blocks (:func:`partial_attention` with ``blocks``: one
-gather of ``K x block/G`` keys per query, shared by the ``R`` heads), or of the whole shard (dense layers), and
+all-gather of the queries) to ITS keys: of the selected blocks (``sharded_step.partial_attention`` with ``blocks``:
+one gather of ``K x block/G`` keys per query, shared by the ``R`` heads), or of the whole shard (dense layers), and
 returns the normalised partial output with its softmax max and sum; :func:`combine_weights` turns the group's
 statistics into each rank's exact weight (log-sum-exp merge), and the weighted partials summed over the ranks are
 the attention (:func:`combine`). Gathered K/V bytes per rank and sparse layer: ``T x K x (block/G) x D x 2 (K and
 V) x dtype bytes`` for ``T`` queries (M3, bf16, G = 16: ``T/16`` MiB, against ``T`` MiB per rank when every head
 gathers for itself).
 
-**Collectives**: the step the port runs, with its collectives (2 per decode layer: one all-gather, one all-to-all),
-is :func:`minimax_m3.ops.sharded_step.rank_attention`; ``sharded_step.COLLECTIVES`` lists them.
-
-:func:`sharded_prefill_chunk` / :func:`sharded_decode` compose the whole step over simulated ranks (``torch.stack``,
-``max`` and ``sum`` standing in for the collectives): the tests compare them with the unsharded ``ops``.
-Everything here is XLA-safe (static shapes, no host synchronisation; ``test/xla/test_sharded_xla.py``).
+**The step** the port runs (prior + active keys, the partial attention, its collectives: 2 per decode layer, one
+all-gather and one all-to-all) is :func:`minimax_m3.ops.sharded_step.rank_attention`, built on these functions;
+``sharded_step.COLLECTIVES`` lists the collectives. :func:`shard` and :func:`sharded_select` cut an unsharded cache
+and merge a selection over simulated ranks for the tests. Everything here is XLA-safe (static shapes, no host
+synchronisation; ``test/xla/test_sharded_xla.py``).
 """
 
 from __future__ import annotations
@@ -83,13 +82,6 @@ def last_slot(q_pos: torch.Tensor, rank, group: int) -> torch.Tensor:
     """The last slot of ``rank``'s shard a query at ``q_pos`` may read (causal: key position ``<= q_pos``):
     slot ``i`` holds position ``i*G + rank``, so ``i <= floor((q_pos - rank) / G)`` (``-1``: none)."""
     return torch.div(q_pos - _rank(rank, q_pos.device), group, rounding_mode="floor")
-
-
-def shard_keep(q_pos: torch.Tensor, slots: int, rank, group: int) -> torch.Tensor:
-    """``[B, 1, Tq, slots]``: the valid keys of ``rank``'s shard for the queries at ``q_pos [B, Tq]``."""
-    b, tq = q_pos.shape
-    return torch.arange(slots, device=q_pos.device).view(1, 1, 1, slots) <= last_slot(q_pos, rank, group).view(
-        b, 1, tq, 1)
 
 
 def write_chunk(shard: torch.Tensor, new: torch.Tensor, start, rank, group: int, seq_dim: int) -> torch.Tensor:
@@ -162,44 +154,10 @@ def _partial_softmax(scores: torch.Tensor, keep: torch.Tensor):
     return e / torch.where(total > 0, total, 1.0), top.squeeze(-1), total.squeeze(-1)
 
 
-def partial_attention(q: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Tensor, q_pos: torch.Tensor, rank,
-                      group: int, scale: float, blocks: torch.Tensor | None = None, block_size: int | None = None):
-    """One rank's share of attention: ``(out [B, Hq, Tq, D], max [B, Hq, Tq], sum [B, Hq, Tq])``.
-
-    ``q [B, Hq, Tq, D]`` at ``q_pos [B, Tq]`` (the query heads of the rank's KV heads: query head ``h`` reads KV
-    head ``h // (Hq / H)``); ``k_shard, v_shard [B, H, S/G, D]``. With ``blocks [B, H, Tq, K]`` (``-1`` = empty)
-    the rank reads only its ``block/G`` keys of each selected block, one gather shared by a KV head's query heads
-    (``Tq x K x block/G x D x 2`` elements); without, every valid key of its shard (dense layers). ``out`` is
-    normalised over the rank's keys, in ``v``'s dtype (scores in the inputs' dtype, softmax in float32, as
-    ``attention.masked_attention``); ``max``/``sum`` are the float32 softmax statistics."""
-    b, hq, tq, d = q.shape
-    h, slots = k_shard.shape[1], k_shard.shape[2]
-    r = hq // h
-    if blocks is None:
-        qg = q.reshape(b, h, r * tq, d)
-        scores = (torch.matmul(qg, k_shard.transpose(-1, -2)) * scale).view(b, h, r, tq, slots)
-        p, top, total = _partial_softmax(scores, shard_keep(q_pos, slots, rank, group).unsqueeze(2))
-        out = torch.matmul(p.to(v_shard.dtype).view(b, h, r * tq, slots), v_shard).view(b, hq, tq, d)
-        return out, top.view(b, hq, tq), total.view(b, hq, tq)
-    per = block_size // group
-    nblk, kk = slots // per, blocks.shape[-1]
-    base = (torch.arange(b * h, device=q.device) * nblk).view(b, h, 1, 1)
-    rows = (base + blocks.clamp(min=0)).reshape(-1)  # one row id per selected block
-    kg = k_shard.reshape(b * h * nblk, per, d).index_select(0, rows).view(b, h, tq, kk * per, d)
-    vg = v_shard.reshape(b * h * nblk, per, d).index_select(0, rows).view(b, h, tq, kk * per, d)
-    slot = blocks.clamp(min=0).unsqueeze(-1) * per + torch.arange(per, device=q.device)  # [B, H, Tq, K, per]
-    limit = last_slot(q_pos, rank, group).view(b, 1, tq, 1, 1)
-    keep = ((blocks >= 0).unsqueeze(-1) & (slot <= limit)).view(b, h, tq, 1, kk * per)
-    qg = q.reshape(b, h, r, tq, d).transpose(2, 3)  # [B, H, Tq, r, D]: the heads share the gather
-    scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [B, H, Tq, r, K * per]
-    p, top, total = _partial_softmax(scores, keep)
-    out = torch.matmul(p.to(vg.dtype), vg).transpose(2, 3).reshape(b, hq, tq, d)
-    return out, top.transpose(2, 3).reshape(b, hq, tq), total.transpose(2, 3).reshape(b, hq, tq)
-
-
 def gathered_kv_bytes(tokens: int, topk: int, block_size: int, group: int, head_dim: int, dtype_bytes: int) -> int:
     """K and V bytes one rank gathers for ``tokens`` queries of one KV head in a sparse layer (per batch row):
-    ``tokens x topk x (block/G) x D x 2 x dtype bytes`` (what :func:`partial_attention` reads with ``blocks``)."""
+    ``tokens x topk x (block/G) x D x 2 x dtype bytes`` (what ``sharded_step.partial_attention`` reads with
+    ``blocks``)."""
     return tokens * topk * (block_size // group) * head_dim * 2 * dtype_bytes
 
 
@@ -221,7 +179,7 @@ def combine(outs: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor) -> torc
     return (w * outs.float()).sum(dim=0).to(outs.dtype)
 
 
-# ---- the whole step over simulated ranks (tests; collectives as stack / max / sum) --------------------------------
+# ---- simulated ranks (tests: an unsharded cache cut into shards, a selection merged over them) ---------------------
 
 
 def shard(cache: torch.Tensor, group: int, seq_dim: int) -> list[torch.Tensor]:
@@ -241,50 +199,3 @@ def sharded_select(iq: torch.Tensor, ik_shards: list[torch.Tensor], q_pos: torch
     nblk = ik_shards[0].shape[1] * group // sel.block_size
     return merge_candidates(torch.stack([c[0] for c in cands]), torch.stack([c[1] for c in cands]), nblk, sel.topk,
                             topk_fn)
-
-
-def sharded_attention(q: torch.Tensor, k_shards: list[torch.Tensor], v_shards: list[torch.Tensor],
-                      q_pos: torch.Tensor, scale: float, blocks: torch.Tensor | None = None,
-                      block_size: int | None = None) -> torch.Tensor:
-    """Every rank's :func:`partial_attention`, stacked (the all-gathers) and combined."""
-    group = len(k_shards)
-    parts = [partial_attention(q, k, v, q_pos, r, group, scale, blocks, block_size)
-             for r, (k, v) in enumerate(zip(k_shards, v_shards))]
-    return combine(*(torch.stack(x) for x in zip(*parts)))
-
-
-def sharded_prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start, k_shards: list[torch.Tensor],
-                          v_shards: list[torch.Tensor], scale: float, sel=None, iq: torch.Tensor | None = None,
-                          ik: torch.Tensor | None = None, ik_shards: list[torch.Tensor] | None = None,
-                          topk_fn=None) -> torch.Tensor:
-    """One prefill call: ``q [B, Hq, T, D]`` at positions ``start .. start+T-1`` (``start`` int or ``[B]``) with
-    their ``k, v [B, H, T, D]`` (sparse layers: ``sel``, index queries ``iq [B, H, T, Di]`` and keys
-    ``ik [B, T, Di]``). Writes the chunk into every rank's shard first, then selects over the written index keys
-    (causal) and attends to the written keys: the cache of the earlier calls plus the chunk itself."""
-    group = len(k_shards)
-    for r in range(group):
-        write_chunk(k_shards[r], k, start, r, group, seq_dim=2)
-        write_chunk(v_shards[r], v, start, r, group, seq_dim=2)
-        if sel is not None:
-            write_chunk(ik_shards[r], ik, start, r, group, seq_dim=1)
-    b, t = q.shape[0], q.shape[2]
-    q_pos = (torch.as_tensor(start, device=q.device).view(-1, 1) + torch.arange(t, device=q.device)).expand(b, t)
-    blocks = None if sel is None else sharded_select(iq, ik_shards, q_pos, sel, topk_fn)
-    return sharded_attention(q, k_shards, v_shards, q_pos, scale, blocks, None if sel is None else sel.block_size)
-
-
-def sharded_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, q_pos: torch.Tensor,
-                   k_shards: list[torch.Tensor], v_shards: list[torch.Tensor], scale: float, sel=None,
-                   iq: torch.Tensor | None = None, ik_new: torch.Tensor | None = None,
-                   ik_shards: list[torch.Tensor] | None = None, topk_fn=None) -> torch.Tensor:
-    """One decode step: ``q [B, Hq, 1, D]`` at ``q_pos [B]``, the token's ``k_new, v_new [B, H, 1, D]`` (sparse:
-    ``iq [B, H, 1, Di]``, ``ik_new [B, 1, Di]``) written on the rank that owns it, then selection and attention."""
-    group = len(k_shards)
-    for r in range(group):
-        write_token(k_shards[r], k_new, q_pos, r, group, seq_dim=2)
-        write_token(v_shards[r], v_new, q_pos, r, group, seq_dim=2)
-        if sel is not None:
-            write_token(ik_shards[r], ik_new, q_pos, r, group, seq_dim=1)
-    pos = q_pos.view(-1, 1)
-    blocks = None if sel is None else sharded_select(iq, ik_shards, pos, sel, topk_fn)
-    return sharded_attention(q, k_shards, v_shards, pos, scale, blocks, None if sel is None else sel.block_size)
