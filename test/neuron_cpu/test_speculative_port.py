@@ -6,7 +6,7 @@ cache rows, each row at its own position, on the sharded caches, with sparse sel
 Oracles: the reference engine in **float64** (graded against transformers in the project's own suite) for the
 verify logits at arbitrary positions and the plain greedy tokens; the reference model's ``hidden_at`` states for the
 target states the port returns; a drafter that agrees with the target on a built pattern for the acceptance
-length. Bound: 2e-5, or where float32 itself cannot reach it, 1.5x the float32 reference's own distance from the
+length; with on-device sampling, the same build without a draft (plain on-device decoding, greedy and seeded). Bound: 2e-5, or where float32 itself cannot reach it, 1.5x the float32 reference's own distance from the
 golden on the same inputs (as ``test_sharded_caches``).
 """
 
@@ -168,3 +168,34 @@ def test_seeded_sampling_is_the_references_alone_and_in_a_batch(engines):
     oracle = ReferenceEngine(model, max_seq_len=256, max_batch_size=1, drafter=load_drafter(draft, model),
                              speculative_tokens=K).generate([PROMPTS[1]], gen)[0].tokens
     assert alone.tokens == again == batched == oracle and alone.timings["spec_steps"] > 0
+
+
+@pytest.fixture(scope="module")
+def sampling_engines(engines, tmp_path_factory):
+    """On-device sampling: a build with the draft and one without, over the same checkpoint."""
+    from minimax_m3.load import load_engine
+
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
+
+    port, _, _, draft = engines
+    kw = neuron_cpu_engine_kwargs(batch_size=SLOTS, max_seq_len=SEQ, max_context_length=CONTEXT, prefill_chunk=CHUNK,
+                                  on_device_sampling=True)
+    ck = port.app.config._name_or_path
+    spec = load_engine(ck, backend="neuron-cpu", draft=str(draft), num_speculative_tokens=K, **kw)
+    plain = load_engine(ck, backend="neuron-cpu", **kw)
+    return spec, plain
+
+
+def test_on_device_sampling_drafted_equals_plain_on_device_sampling(sampling_engines):
+    """The verify step draws the target's token after every position on the device (each at its own position's
+    seeded draw); drafts are kept while they equal those draws, so a sequence's tokens are plain on-device decoding's,
+    token for token, greedy and sampled, alone and in a batch with staggered admissions."""
+    spec, plain = sampling_engines
+    for gen in (GenerationConfig(max_new_tokens=16),
+                GenerationConfig(max_new_tokens=16, temperature=0.8, top_k=20, seed=11)):
+        want = plain.generate(PROMPTS, gen)
+        got = spec.generate(PROMPTS, gen)
+        assert [g.tokens for g in got] == [w.tokens for w in want]
+        assert all(g.timings["spec_steps"] > 0 for g in got)
+        alone = spec.generate([PROMPTS[1]], gen)[0].tokens
+        assert alone == want[1].tokens

@@ -117,6 +117,33 @@ def test_greedy_verify_by_hand():
     assert speculative.verify(rows[:1], [], [], greedy, 0, 10) == (0, 5)
 
 
+def test_device_chosen_tokens_by_hand():
+    """On-device sampling: the verify step returns the target's own choice after each token; drafts are kept while
+    they equal it, then its choice follows (whatever the sampling settings: the draws were the device's)."""
+    assert speculative.verify_chosen([5, 6, 9, 2], [5, 6, 7]) == (2, 9)
+    assert speculative.verify_chosen([5, 6, 9, 2], [5, 6, 9]) == (3, 2)
+    assert speculative.verify_chosen([4, 6, 9, 2], [5, 6, 9]) == (0, 4)
+    assert speculative.verify_chosen([5], []) == (0, 5)
+
+
+def test_the_loop_takes_token_ids_from_a_device_that_samples():
+    """A provider whose verify returns StepOutput token ids (the target: (t + 1) % V as chosen ids) gives the same
+    tokens and acceptance as the logits path, sampling settings notwithstanding."""
+    from minimax_m3.engine import StepOutput
+
+    class Chosen(FakeSpec):
+        def verify(self, slots, tokens, positions):
+            rows = super().verify(slots, tokens, positions)
+            return [StepOutput(logits=None, token_ids=r.argmax(-1)) for r in rows]
+
+    agree = lambda pos: pos % 3 != 0  # noqa: E731
+    want = Engine(FakeSpec(agree)).generate([[1, 2, 3]], GenerationConfig(max_new_tokens=10))[0]
+    got = Engine(Chosen(agree)).generate([[1, 2, 3]], GenerationConfig(max_new_tokens=10, temperature=0.7,
+                                                                      seed=3))[0]
+    assert got.tokens == want.tokens == [(4 + i) % V for i in range(10)]
+    assert got.timings["accepted_tokens"] == want.timings["accepted_tokens"] > 0
+
+
 def _dist(logits: torch.Tensor, gen) -> torch.Tensor:
     return speculative.distribution(logits, gen)
 

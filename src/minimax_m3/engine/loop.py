@@ -119,7 +119,8 @@ class StepProvider(Protocol):
     #   ``propose(slots, lasts, positions, ks, choose) -> drafts``: ``ks[i]`` draft tokens per row after the token
     #       ``lasts[i]`` at ``positions[i]``, each picked by ``choose(i, j, logits) -> id``;
     #   ``verify(slots, tokens, positions) -> [logits [len(tokens[i]), vocab]]``: one target forward per row over
-    #       ``tokens[i]`` placed at ``positions[i] ..`` (row j: the logits after ``tokens[i][j]``);
+    #       ``tokens[i]`` placed at ``positions[i] ..`` (row j: the logits after ``tokens[i][j]``), or per row a
+    #       :class:`StepOutput` of the tokens the device chose there (``token_ids [len(tokens[i])]``);
     #   ``accept(slots, accepted)``: row i kept ``accepted[i]`` drafts of the last verify.
 
 
@@ -315,16 +316,19 @@ class Engine:
         t1 = time.perf_counter()
         lasts, positions = [s.tokens[-1] for s in seqs], [s.pos for s in seqs]
         drafts = p.propose(active, lasts, positions, ks, choose)
-        logits = p.verify(active, [[t] + d for t, d in zip(lasts, drafts)], positions)
-        outcome = [speculative.verify(lg, d, q, gen, s.seed, s.pos + 1)
-                   for lg, d, q, s in zip(logits, drafts, qs, seqs)]
+        verified = p.verify(active, [[t] + d for t, d in zip(lasts, drafts)], positions)
+        # per row: logits [k + 1, vocab], or a StepOutput whose token_ids the device chose (on-device sampling)
+        outcome = [speculative.verify_chosen(v.token_ids.tolist(), d) if isinstance(v, StepOutput) else
+                   speculative.verify(v, d, q, gen, s.seed, s.pos + 1)
+                   for v, d, q, s in zip(verified, drafts, qs, seqs)]
         p.accept(active, [a for a, _ in outcome])
         dt = time.perf_counter() - t1
-        for r, seq, d, lg, (a, tok) in zip(active, seqs, drafts, logits, outcome):
+        for r, seq, d, v, (a, tok) in zip(active, seqs, drafts, verified, outcome):
             seq.step_s.append(dt)
             seq.spec = [seq.spec[0] + 1, seq.spec[1] + len(d), seq.spec[2] + a]
+            lg = v.logits if isinstance(v, StepOutput) else v
             for j, t in enumerate(d[:a] + [tok]):
-                seq.logits = lg[j]
+                seq.logits = None if lg is None else lg[j]
                 reason = self._append(seq, t, gen, t0)
                 if reason:
                     results[seq.index], slots[r] = self._result(seq, reason, gen, t0), None

@@ -156,16 +156,12 @@ class EngineSpec:
         return out + s._draft_problems()
 
     def _draft_problems(self) -> list[str]:
-        """Speculative decoding with an EAGLE3 draft: on the reference backend in one process; on the neuron backends
-        the verify step returns logits to the host (no on-device sampling). The checkpoint itself is checked when it
-        loads, against the model (``checkpoint.draft``)."""
+        """Speculative decoding with an EAGLE3 draft: on the reference backend in one process. The checkpoint itself
+        is checked when it loads, against the model (``checkpoint.draft``)."""
         if not self.draft:
             return [] if self.num_speculative_tokens is None else [
                 "num_speculative_tokens (--speculative-tokens) applies with a draft: add --draft DIR"]
         out = []
-        if _neuron(self.backend) and self.on_device_sampling:
-            out.append("a draft with on_device_sampling: not yet; the verify step returns its logits and the host "
-                       "accepts the drafts: drop --on-device-sampling")
         if self.num_speculative_tokens < 1:
             out.append(f"num_speculative_tokens (--speculative-tokens) must be >= 1, got {self.num_speculative_tokens}")
         if self.backend == "reference" and self.tp > 1:

@@ -3,6 +3,8 @@
 The generation loop drives a provider that can speculate (``propose`` k draft tokens, ``verify`` them in one target
 forward, ``accept`` the outcome; see :class:`minimax_m3.engine.loop.StepProvider`) and decides here:
 
+* target tokens chosen on the device (on-device sampling: :func:`verify_chosen`): drafts are kept while they equal
+  the target's own choice at their position, so the output is plain decoding's with the same seeds, token for token;
 * greedy: a draft is the argmax of the draft's logits; the longest prefix of drafts equal to the target's argmax is
   accepted, then the target's argmax at the first disagreement (or after the last draft) is appended. The output is
   plain greedy decoding's, token for token (up to logits tying within the rounding of the verify forward's path).
@@ -69,6 +71,16 @@ def propose(logits: torch.Tensor, gen, seed: int, position: int) -> tuple[int, t
         return int(logits.argmax()), None
     q = distribution(logits, gen)
     return draw(q, seed, position, DRAFT), q
+
+
+def verify_chosen(chosen: list[int], drafts: list[int]) -> tuple[int, int]:
+    """``(accepted, token)`` when the target's tokens were chosen on the device (``chosen[j]``: its token after
+    draft ``j``, drawn or argmax as plain decoding would at that position): the longest prefix of drafts equal to
+    the chosen tokens, then the chosen token after it. Every emitted token is the one plain decoding with the same
+    seeds chooses, so the output equals it token for token (sampling included; a sampled draft is accepted only
+    where it hits the target's own draw)."""
+    a = next((j for j, y in enumerate(drafts) if y != chosen[j]), len(drafts))
+    return a, chosen[a]
 
 
 def verify(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tensor | None], gen, seed: int,

@@ -252,9 +252,9 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
             problems.append("hybrid_sharding_config shifts NxD's up clamp twice (+2); not supported")
         if nc.cp_degree > 1 or nc.attention_dp_degree > 1:
             problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
-        if nc.speculation_length and (nc.on_device_sampling_config is not None or nc.async_mode):
-            problems.append("speculation_length (a draft) with on-device sampling or async mode: not yet; the verify "
-                            "step returns every position's logits to the host, which accepts the drafts")
+        if nc.speculation_length and nc.async_mode:
+            problems.append("speculation_length (a draft) with async mode: not yet; the host accepts each verify "
+                            "step's drafts before the next")
         bad = [j for j in self.aux_hidden_layers if not 0 <= j < c.num_layers]
         if bad:
             problems.append(f"aux_hidden_layers {bad}: a target layer id in [0, {c.num_layers})")

@@ -146,9 +146,16 @@ class NeuronMiniMaxM3Model(nxd_compat.OnDeviceSamplingHook, NeuronBaseModel):
     def sample_on_device(self, logits, sampling_params, is_for_context_encoding):
         """The seeded sampler given each row's counter: the position of the token it samples after (the prefill's
         last real token, or the decode token's position), and that row's logits; None (NxDI's own step) for another
-        sampler. Called for NxDI's sampling step by ``nxd_compat.OnDeviceSamplingHook`` (not for speculation)."""
+        sampler. A speculative verify step (``speculation_length`` positions per row) draws at every position, each
+        at its own counter: ``[B, k + 1]`` token ids, the ones plain decoding would choose after each token. Called
+        for NxDI's sampling step by ``nxd_compat.OnDeviceSamplingHook``."""
         if not isinstance(self.sampler, SeededSampler):
             return None
+        if not is_for_context_encoding and logits.shape[1] > 1:  # verify: every position at its own counter
+            b, t, v = logits.shape
+            ids = self.sampler(logits.reshape(b * t, v), sampling_params.repeat_interleave(t, dim=0),
+                               rank_id=self.rank_util.get_rank(), positions=self._positions.reshape(-1))
+            return ids.reshape(b, t).to(torch.int32)
         counter, last = self._positions.max(dim=1).values, None
         if is_for_context_encoding and self._last_real is not None:
             last = self._last_real

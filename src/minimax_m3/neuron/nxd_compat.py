@@ -184,17 +184,16 @@ def is_context_encoding(model, input_ids: torch.Tensor) -> bool:
 class OnDeviceSamplingHook:
     """Mixin for a ``NeuronBaseModel`` subclass: NxDI's on-device sampling step through the model's public
     ``sample_on_device(logits, sampling_params, is_for_context_encoding)``, which returns the ``[B]`` int32 token
-    ids or None for NxDI's own step. Speculation always takes NxDI's.
+    ids (``[B, k + 1]`` in a speculative verify step) or None for NxDI's own step.
 
     Targets NxDI 0.9 (``models/model_base.py``: ``NeuronBaseModel._sample_on_device``, private, the only place
     ``forward`` samples): it hands the sampler ``logits[:, -1, :]`` and the rank only, so a sampler cannot learn each
     row's position, and an all-position prefill's last column is a padding slot."""
 
     def _sample_on_device(self, logits, sampling_params, is_for_speculation, is_for_context_encoding):
-        if not is_for_speculation:
-            tokens = self.sample_on_device(logits, sampling_params, is_for_context_encoding)
-            if tokens is not None:
-                return tokens
+        tokens = self.sample_on_device(logits, sampling_params, is_for_context_encoding)
+        if tokens is not None:
+            return tokens
         return super()._sample_on_device(logits, sampling_params, is_for_speculation, is_for_context_encoding)
 
 

@@ -154,10 +154,9 @@ class SpeculativeNeuronProvider(NeuronProvider):
         super().__init__(app, config)
         self.drafter, self.speculative_tokens = drafter, k
         self.width = app.neuron_config.speculation_length
-        if self.width != k + 1 or self.odsc is not None:
-            raise EngineInputError(f"speculating with {k} drafts needs a build with speculation_length {k + 1} and no "
-                                   f"on-device sampling (this one: {self.width}, "
-                                   f"{'on' if self.odsc is not None else 'off'})")
+        if self.width != k + 1:
+            raise EngineInputError(f"speculating with {k} drafts needs a build with speculation_length {k + 1} "
+                                   f"(this one: {self.width})")
         self.max_seq_len = self.max_seq_len - k
         self._verified: dict[int, tuple[int, list[int], torch.Tensor | None]] = {}
 
@@ -186,19 +185,26 @@ class SpeculativeNeuronProvider(NeuronProvider):
                 for i, (r, last, p, k) in enumerate(zip(slots, lasts, positions, ks))]
 
     @torch.no_grad()
-    def verify(self, slots: list[int], tokens: list[list[int]], positions: list[int]) -> list[torch.Tensor]:
-        """Per row: float32 logits ``[len(tokens[i]), vocab]`` of ``tokens[i]`` at ``positions[i] ..``, one call."""
+    def verify(self, slots: list[int], tokens: list[list[int]], positions: list[int]) -> list:
+        """Per row: float32 logits ``[len(tokens[i]), vocab]`` of ``tokens[i]`` at ``positions[i] ..``, one call; with
+        on-device sampling a :class:`StepOutput` of the token the device chose after each (at its own position's
+        seeded draw, as plain decoding)."""
         n, w = self.max_batch, self.width
         ids = torch.zeros(n, w, dtype=torch.long)
         pos = (1 + torch.arange(w)).expand(n, w).clone()
         for r, toks, p in zip(slots, tokens, positions):
             ids[r, :len(toks)] = torch.tensor(toks)
             pos[r] = p + torch.arange(w)
-        out = self.app(input_ids=ids, position_ids=pos, seq_ids=torch.arange(n))
-        logits, states = out.logits.float(), getattr(out, "aux_states", None)
+        out = self.app(input_ids=ids, position_ids=pos, seq_ids=torch.arange(n), **self._sampling_params(n))
+        states = getattr(out, "aux_states", None)
         for r, toks, p in zip(slots, tokens, positions):
             self._verified[r] = (p, toks, None if states is None else states[r].float())
-        return [logits[r, :len(toks)] for r, toks in zip(slots, tokens)]
+        logits = out.logits.float() if getattr(out, "logits", None) is not None else None
+        if self.odsc is None:
+            return [logits[r, :len(toks)] for r, toks in zip(slots, tokens)]
+        chosen = out.tokens.reshape(n, w)
+        return [StepOutput(logits=None if logits is None else logits[r, :len(toks)], token_ids=chosen[r, :len(toks)])
+                for r, toks in zip(slots, tokens)]
 
     def accept(self, slots: list[int], accepted: list[int]) -> None:
         """Row ``slots[i]`` kept its last token and ``accepted[i]`` drafts of the last :meth:`verify`."""
