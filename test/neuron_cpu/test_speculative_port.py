@@ -3,12 +3,12 @@ the one KV head's caches then split over G = 2 ranks): a build with a draft has 
 speculation graphs (``speculation_length = k + 1``); every verify step is one call of the speculation graph for all
 cache rows, each row at its own position, on the sharded caches, with sparse selection active.
 
-Oracles: the reference engine in **float64** (graded against transformers in the project's own suite) for the
-verify logits at arbitrary positions and the plain greedy tokens; the reference model's ``hidden_at`` states for the
-target states the port returns; a drafter that agrees with the target on a built pattern for the acceptance
-length; with on-device sampling, the same build without a draft (plain on-device decoding, greedy and seeded). Bound: 2e-5, or where float32 itself cannot reach it, 1.5x the float32 reference's own distance from the
-golden on the same inputs (as ``test_sharded_caches``).
-"""
+Oracles: the reference engine in **float64** (graded against transformers in the project's own suite) for the verify
+logits at arbitrary positions and the plain greedy tokens; the reference model's ``hidden_at`` states for the target
+states the port returns; a drafter that agrees with the target on a built pattern for the acceptance length; with
+on-device sampling, the same build without a draft (plain on-device decoding, greedy and seeded). Bound: 2e-5, or where
+float32 itself cannot reach it, 1.5x the float32 reference's own distance from the golden on the same inputs (as
+``test_sharded_caches``). """
 
 import copy
 
