@@ -156,7 +156,7 @@ def test_seeded_sampling_is_the_references_alone_and_in_a_batch(engines):
     """Speculative sampling with a seed: a sequence's tokens depend on its seed and its own positions only, so they
     are the same alone, again, and beside another prompt, and equal to the float64 reference speculating with the
     same draft."""
-    from minimax_m3.reference.eagle3 import load_drafter
+    from minimax_m3.reference.eagle3 import load_host_drafter
     from minimax_m3.reference.engine import ReferenceEngine
 
     port, _, golden, draft = engines
@@ -165,7 +165,8 @@ def test_seeded_sampling_is_the_references_alone_and_in_a_batch(engines):
     again = port.generate([PROMPTS[1]], gen)[0].tokens
     batched = port.generate([PROMPTS[0], PROMPTS[1]], gen)[1].tokens
     model = golden.model
-    oracle = ReferenceEngine(model, max_seq_len=256, max_batch_size=1, drafter=load_drafter(draft, model),
+    drafter = load_host_drafter(draft, port.app.config._name_or_path, model.config)  # whole tables under torchrun
+    oracle = ReferenceEngine(model, max_seq_len=256, max_batch_size=1, drafter=drafter,
                              speculative_tokens=K).generate([PROMPTS[1]], gen)[0].tokens
     assert alone.tokens == again == batched == oracle and alone.timings["spec_steps"] > 0
 
