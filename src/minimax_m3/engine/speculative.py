@@ -98,3 +98,27 @@ def verify(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tensor | None
         if not u[j] * float(qs[j][y]) < float(p[j, y]):
             return j, draw((p[j] - qs[j]).clamp(min=0), seed, position + j, TARGET)
     return n, draw(p[n], seed, position + n, TARGET)
+
+
+class HostDrafter:
+    """The draft side of a provider whose drafter runs on the host (mixed in before the provider; the reference
+    backend and the Neuron port): ``self.drafter`` (an EAGLE3 drafter or any object with its ``aux_layers``,
+    ``reset``, ``extend`` and ``propose``) drafts for each row, and after a verify step catches up on the accepted
+    prefix with the target's states there. The provider's ``verify`` records, per row, ``self._verified[row] =
+    (position, tokens, target states [len(tokens), 3 x hidden] or None)``."""
+
+    drafter = None
+    _verified: dict
+
+    def propose(self, slots: list[int], lasts: list[int], positions: list[int], ks: list[int],
+                choose) -> list[list[int]]:
+        """Per row: ``ks[i]`` drafts for the positions after ``positions[i]`` (whose token is ``lasts[i]``);
+        ``choose(i, j, logits)`` picks draft ``j`` of row ``i``."""
+        return [self.drafter.propose(r, last, p, k, lambda j, x, i=i: choose(i, j, x))
+                for i, (r, last, p, k) in enumerate(zip(slots, lasts, positions, ks))]
+
+    def accept(self, slots: list[int], accepted: list[int]) -> None:
+        """Row ``slots[i]`` kept its last token and ``accepted[i]`` drafts of the last verify."""
+        for r, a in zip(slots, accepted):
+            p, toks, states = self._verified.pop(r)
+            self.drafter.extend(r, p, None if states is None else states[:a + 1], toks[1:a + 1])

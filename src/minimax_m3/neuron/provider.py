@@ -31,6 +31,7 @@ import torch
 
 from ..config.m3 import ConfigError, M3Config
 from ..engine.loop import Engine, EngineInputError, GenerationConfig, StepOutput
+from ..engine.speculative import HostDrafter
 from ..engine.spec import EngineSpec, spec_from_kwargs
 from . import sampling
 from .build import application, inference_config
@@ -137,11 +138,12 @@ class NeuronProvider:
         return self._static(prompts)[0]
 
 
-class SpeculativeNeuronProvider(NeuronProvider):
+class SpeculativeNeuronProvider(HostDrafter, NeuronProvider):
     """A :class:`NeuronProvider` of a build with a draft (``speculation_length = k + 1``: NxDI's context-encoding and
     speculation graphs, no one-token graph) speculating with a drafter on the host (an
     :class:`~minimax_m3.reference.eagle3.Eagle3Drafter`, or any object with its ``aux_layers``, ``reset``,
-    ``extend`` and ``propose``): the one generation loop calls ``propose``, ``verify`` and ``accept``.
+    ``extend`` and ``propose``): the one generation loop calls ``propose`` and ``accept`` (``engine.speculative.
+    HostDrafter``) and ``verify``.
 
     ``verify`` is ONE call of the speculation graph for every cache row: row ``r`` feeds ``[last, drafts...]`` at its
     own positions ``p .. p + k`` (padding tokens after fewer drafts; idle rows a dummy step at positions ``1 ..``),
@@ -178,12 +180,6 @@ class SpeculativeNeuronProvider(NeuronProvider):
                 self._prompt_states.setdefault(slot, self._states[i, :len(row)].float())
         return out
 
-    def propose(self, slots: list[int], lasts: list[int], positions: list[int], ks: list[int],
-                choose) -> list[list[int]]:
-        """Per row: ``ks[i]`` drafts for the positions after ``positions[i]`` (token ``lasts[i]``)."""
-        return [self.drafter.propose(r, last, p, k, lambda j, x, i=i: choose(i, j, x))
-                for i, (r, last, p, k) in enumerate(zip(slots, lasts, positions, ks))]
-
     @torch.no_grad()
     def verify(self, slots: list[int], tokens: list[list[int]], positions: list[int]) -> list:
         """Per row: float32 logits ``[len(tokens[i]), vocab]`` of ``tokens[i]`` at ``positions[i] ..``, one call; with
@@ -205,12 +201,6 @@ class SpeculativeNeuronProvider(NeuronProvider):
         chosen = out.tokens.reshape(n, w)
         return [StepOutput(logits=None if logits is None else logits[r, :len(toks)], token_ids=chosen[r, :len(toks)])
                 for r, toks in zip(slots, tokens)]
-
-    def accept(self, slots: list[int], accepted: list[int]) -> None:
-        """Row ``slots[i]`` kept its last token and ``accepted[i]`` drafts of the last :meth:`verify`."""
-        for r, a in zip(slots, accepted):
-            p, toks, states = self._verified.pop(r)
-            self.drafter.extend(r, p, None if states is None else states[:a + 1], toks[1:a + 1])
 
 
 class NeuronEngine(Engine):

@@ -24,6 +24,7 @@ import copy
 import torch
 
 from ..engine.spec import EngineSpec
+from ..engine.speculative import HostDrafter
 from .cache import KVCache
 from .model import M3Model
 
@@ -36,7 +37,7 @@ def row_cache(cache: KVCache, r: int) -> KVCache:
     return view
 
 
-class Speculation:
+class Speculation(HostDrafter):
     """The steps a :class:`~.engine.ReferenceProvider` gains to speculate (mixed in before it): ``drafter`` is an
     :class:`~.eagle3.Eagle3Drafter` or any object with its ``aux_layers``, ``reset``, ``extend`` and ``propose``;
     ``speculative_tokens`` is k. The provider's prefill keeps the states entering the drafter's ``aux_layers``."""
@@ -59,13 +60,6 @@ class Speculation:
         self._hidden, self._verified = None, {}
         return logits
 
-    def propose(self, slots: list[int], lasts: list[int], positions: list[int], ks: list[int],
-                choose) -> list[list[int]]:
-        """Per row: ``ks[i]`` drafts for the positions after ``positions[i]`` (whose token is ``lasts[i]``);
-        ``choose(i, j, logits)`` picks draft ``j`` of row ``i``."""
-        return [self.drafter.propose(r, last, p, k, lambda j, x, i=i: choose(i, j, x))
-                for i, (r, last, p, k) in enumerate(zip(slots, lasts, positions, ks))]
-
     def verify(self, slots: list[int], tokens: list[list[int]], positions: list[int]) -> list[torch.Tensor]:
         """Per row: float32 logits ``[len(tokens[i]), vocab]`` of ``tokens[i]`` placed at ``positions[i] ..`` (row
         ``j`` predicts the token after ``tokens[i][j]``), one target forward each."""
@@ -80,12 +74,6 @@ class Speculation:
             out.append(logits[0])
         self._sync()
         return out
-
-    def accept(self, slots: list[int], accepted: list[int]) -> None:
-        """Row ``slots[i]`` kept its last token and ``accepted[i]`` drafts of the last :meth:`verify`."""
-        for r, a in zip(slots, accepted):
-            p, toks, states = self._verified.pop(r)
-            self.drafter.extend(r, p, None if states is None else states[:a + 1], toks[1:a + 1])
 
 
 class ScriptedDrafter:
