@@ -44,8 +44,10 @@ def inputs_key(name: str, args: list[str], inputs: list[Path]) -> str:
 
     h = hashlib.sha256()
     h.update(json.dumps([name, args, sys.version, torch.__version__, transformers.__version__]).encode())
-    for root in (REPO / "src", REPO / "test" / "support", Path(os.environ.get("NXDI_SRC", "/nonexistent")),
-                 Path(os.environ.get("NXD_SRC", "/nonexistent"))):
+    # the package's own folder, not src/: an editable install may leave a *.egg-info (text files) there in one clone
+    # and not in the next, which would change every key between two runs of the same tree
+    for root in (REPO / "src" / "minimax_m3", REPO / "test" / "support",
+                 Path(os.environ.get("NXDI_SRC", "/nonexistent")), Path(os.environ.get("NXD_SRC", "/nonexistent"))):
         if root.is_dir():
             _tree_digest(h, root, CODE)
     for p in inputs:
