@@ -417,21 +417,3 @@ def test_collectives_are_matched_to_the_planners_rows():
     assert lines[1].split() == ["2", "x", "all-gather", "bf16[2,", "1,", "3,", "8]", "groups", "2", "x", "2",
                                 "consecutive", "96", "B", "sharded_step.py:rank_attention:1"]
 
-
-def test_the_verify_graphs_minimum_is_the_planners():
-    """NxDI's speculation graph (a verify step, 4 rows x 4 tokens) is held to the planner's one formula, the
-    one-token step's with ``tokens = k + 1``; the tokens per row come from the manifest (or, before the field, the
-    build's ``speculation_length``)."""
-    m3 = M3Config.preset("m3")
-    man = {"layout": {"tp": 64, "ep": 64, "kv_layout": "sharded"}, "dtype": "bfloat16", "batch_size": 4,
-           "speculation_length": 4}
-    g = {"submodel": "speculation_model", "bucket": 4096, "batch": 4, "tokens": 4}
-    an = graphs.analytic(m3, man, g)
-    assert an["bytes_read"] == plan.decode_minimum_bytes(m3, 64, 64, 4, 4096, tokens=4)
-    # each of the 16 queries gathers this rank's 8 keys of its 16 blocks, K and V, in each of the 57 sparse layers
-    assert an["gathered_kv"] == an["bytes_read"]["kv_sparse"] == 16 * 16 * 8 * 128 * 2 * 2 * 57
-    assert an["collectives"] == plan.collectives(m3, 64, 64, 16, "sharded", row_tokens=4)
-    assert graphs.analytic(m3, man, {k: v for k, v in g.items() if k != "tokens"}) == an
-    one = graphs.analytic(m3, man, {"submodel": "token_generation_model", "bucket": 4096, "batch": 4})
-    assert one["bytes_read"] == plan.decode_minimum_bytes(m3, 64, 64, 4, 4096)
-    assert graphs.row_tokens(man, {"submodel": "context_encoding_model", "bucket": 128}) == 128
