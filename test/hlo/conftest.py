@@ -74,21 +74,28 @@ def run_module(module: str, *args: str, timeout: int = 900) -> tuple[str, float]
 # (test.support.neuron.result_cache, MINIMAX_M3_TRACE_CACHE), so a second run of the suite on the same machine and
 # tree reads the same modules instead of tracing them again. The tests still check every module they read.
 
-def cached_run(module: str, model: Path, out: Path, args: list[str]) -> str:
-    """``python -m module --model MODEL --compiled OUT args``, or its cached output directory and stdout copied into
-    ``out`` when the same inputs were traced before."""
+def cached_run(module: str, model: Path, out: Path, args: list[str], draft: Path | None = None) -> str:
+    """``python -m module --model MODEL --compiled OUT args [--draft DRAFT]``, or its cached output directory and
+    stdout copied into ``out`` when the same inputs were traced before (a draft directory is keyed by its files, not
+    its path, like the model's)."""
+    extra = ["--draft", str(draft)] if draft else []
+
     def trace() -> str:
-        stdout, seconds = run_module(module, "--model", str(model), "--compiled", str(out), *args)
+        stdout, seconds = run_module(module, "--model", str(model), "--compiled", str(out), *args, *extra)
         (out / "trace_seconds.txt").write_text(f"{seconds:.1f}\n")
         return stdout
 
-    return result_cache.cached(module, args, [model], out, trace)
+    key_args = args + (["--draft", "DRAFT"] if draft else [])
+    return result_cache.cached(module, key_args, [model] + ([draft] if draft else []), out, trace)
 
 
-def dry_run(model: Path, out: Path, args: list[str]) -> Path:
+def dry_run(model: Path, out: Path, args: list[str], draft: Path | None = None) -> Path:
+    """``compile --dry-run`` of ``model`` with ``args`` into ``out`` (through the trace cache); ``draft``: a
+    directory with an EAGLE3 draft's ``config.json`` (a build with the speculation graph; add
+    ``--speculative-tokens K`` to ``args``)."""
     if REASON:  # module-scoped fixtures are set up before the autouse skip runs
         pytest.skip(f"graph harness: {REASON}")
-    cached_run("test.support.hlo.dry_run", model, out, args)
+    cached_run("test.support.hlo.dry_run", model, out, args, draft)
     return out
 
 

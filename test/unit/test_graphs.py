@@ -318,7 +318,8 @@ def test_analyze_dir_sorts_states_and_writes_graphs_json(lowered, tmp_path):
     assert not (d / "graphs.json").exists()
     rep = graphs.analyze_dir(d)  # what compile --dry-run calls: refreshes graphs.json
     assert json.loads((d / "graphs.json").read_text()) == json.loads(json.dumps(rep))
-    tg, cte = (next(g for g in rep["graphs"] if g["submodel"] == s) for s in graphs.SUBMODELS[::-1])
+    tg, cte = (next(g for g in rep["graphs"] if g["submodel"] == s)
+               for s in ("token_generation_model", "context_encoding_model"))
     # past_key_values.2 = K of layer 1, a sparse layer of the tiny model: the clone-then-write of the 8-token
     # bucket is one copy of the bucket; attention reads the 8 slots: 1*2*8*4 floats
     assert tg["bytes_read"] == {"weights": 0, "kv_dense": 0, "kv_sparse": 256, "index_k": 0}
@@ -415,3 +416,4 @@ def test_collectives_are_matched_to_the_planners_rows():
     lines = format_collectives({"collective_ops": ops})
     assert lines[1].split() == ["2", "x", "all-gather", "bf16[2,", "1,", "3,", "8]", "groups", "2", "x", "2",
                                 "consecutive", "96", "B", "sharded_step.py:rank_attention:1"]
+

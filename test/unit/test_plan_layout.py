@@ -124,6 +124,23 @@ def test_decode_minimum_bytes_sharded_by_hand():
     assert rep == decode_minimum_bytes(TINY, TP, EP, 1, 64, layout="replicated")
 
 
+def test_a_verify_step_minimum_by_hand():
+    """A speculative verify step, 2 rows x 3 tokens (k = 2) over a 64-token bucket: the weights once for the 6
+    tokens, each row's dense K/V and index keys once for its 3 queries, each query its own selected blocks."""
+    one = decode_minimum_bytes(TINY, TP, EP, batch=2, bucket=64)
+    got = decode_minimum_bytes(TINY, TP, EP, batch=2, bucket=64, tokens=3)
+    per_key = 1 * 32 * 2 * 2
+    assert got == {
+        "weights": one["weights"] + 4 * 128 * 2,  # 4 more embedding rows (6 tokens against 2)
+        "kv_sparse": 2 * 3 * (2 * 16 // 4) * per_key * 3,  # each of the 6 queries: this rank's 4 keys of 2 blocks
+        "index_k": 2 * (64 // 4) * 32 * 2 * 3,  # once per row, as a one-token step
+        "kv_dense": 2 * (64 // 4) * per_key * 1,
+    }
+    assert {k: got[k] for k in ("index_k", "kv_dense")} == {k: one[k] for k in ("index_k", "kv_dense")}
+    _, parts = weight_bytes(TINY, TP, EP)
+    assert got["weights"] == sum(parts.values()) - parts["embedding + lm_head"] + (64 + 6) * 128 * 2  # LM head + rows
+
+
 def test_chunk_flops_by_hand():
     # the call of tokens 32..63 of an 80-token prompt: causal keys of queries 32..63, sparse layers capped at 32
     got = chunk_flops(TINY, TP, EP, start=32, chunk=32, seq=80)
@@ -188,6 +205,20 @@ def test_collectives_by_hand():
     # ring: an all-reduce sends 2 x 7/8 of its buffer, an all-gather 7/8 of its output
     assert link_seconds(rows[5]) == pytest.approx(768 * 7 / 8 * 2 / LINK_BYTES_PER_S)
     assert link_seconds(rows[1]) == pytest.approx(768 * 3 / 4 / LINK_BYTES_PER_S)
+
+
+def test_verify_collectives_by_hand():
+    """A verify step of 2 rows x 3 tokens: a decode step's collectives at 6 tokens (query heads and candidates in
+    ONE all-gather, fewer than ONE_GATHER_TOKENS per row), every token's logits; 16 tokens per row gather them apart,
+    as a prefill call does."""
+    from minimax_m3.ops.sharded_step import ONE_GATHER_TOKENS
+
+    assert collectives(TINY, TP, EP, 6, row_tokens=3) == collectives(TINY, TP, EP, 6)
+    assert collectives(TINY, TP, EP, 6, row_tokens=3)[-1]["bytes"] == 6 * 512 * 2
+    wide = collectives(TINY, TP, EP, 2 * 16, row_tokens=ONE_GATHER_TOKENS)
+    assert ONE_GATHER_TOKENS == 16 and [(r["name"], r["dtype"], r["bytes"], r["count"]) for r in wide[1:4]] == [
+        ("group queries", "bf16", 32 * 4 * 32 * 2, 4), ("selection candidates", "fp32", 32 * 1 * 4 * 2 * 2 * 4, 3),
+        ("partial outputs + max + sum", "fp32", 32 * 4 * 34 * 4, 4)]
 
 
 def test_ttft_adds_up_the_calls():

@@ -28,7 +28,8 @@ from ..errors import M3Error
 
 MANIFEST = "dry_run.json"
 REPORT = "graphs.json"
-SUBMODELS = ("context_encoding_model", "token_generation_model")
+SUBMODELS = ("context_encoding_model", "token_generation_model", "speculation_model")  # NxDI's tags
+STEPS = ("token_generation_model", "speculation_model")  # a step over the bucket's caches: decode, verify
 _CACHE_NAME = re.compile(r"past_key_values\.(\d+)$")
 
 
@@ -138,6 +139,7 @@ def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
         notes.append(f"state(s) not aliased to an output: {', '.join(unaliased)}")
     return {
         "submodel": g["submodel"], "bucket": bucket, "batch": g.get("batch", man.get("batch_size", 1)),
+        "tokens": row_tokens(man, g),
         "hlo": g["hlo"], "command": g.get("command"),
         "instructions": a["instructions"], "entry_instructions": a["entry_instructions"],
         "flops": a["flops"], "bytes_read": reads, "state_copies": copies, "state_copy_bytes": copy_bytes,
@@ -153,24 +155,38 @@ def kv_layout(man: dict) -> str:
     return man["layout"].get("kv_layout", "replicated")
 
 
+def row_tokens(man: dict, g: dict) -> int:
+    """Tokens per row of a graph's call: the manifest's (``tokens``), else 1 for token generation, the build's
+    ``speculation_length`` for the speculation graph (``k + 1``), the bucket for context encoding."""
+    if g.get("tokens"):
+        return int(g["tokens"])
+    return {"token_generation_model": 1, "speculation_model": man.get("speculation_length") or 1}.get(
+        g["submodel"], g["bucket"])
+
+
 def analytic(cfg: M3Config, man: dict, g: dict) -> dict:
     """The planner's minimum for the same shapes and cache layout (an ``error`` when the layout cannot be planned).
 
-    Token generation: :func:`planner.decode_minimum_bytes` (the sparse layers' selected blocks are also the gathered
-    K/V). Context encoding, replicated: :func:`planner.prefill_flops` of a prompt as long as the bucket, the port's
-    query chunks' gathered K/V (:func:`planner.chunk_bytes`); sharded, a call graph of C = bucket tokens over cache
-    lines of ``max_length`` tokens: the last call of a ``max_length`` prompt (:func:`planner.chunk_flops`,
-    :func:`planner.chunk_bytes` from ``max_length - C``), the call the one graph must be able to serve. Collectives:
-    :func:`planner.collectives` of the pass (a decode step of ``batch`` tokens, a call of ``batch x bucket``)."""
+    Token generation and speculation (a verify step: ``batch`` rows of T = ``k + 1`` tokens, :func:`row_tokens`):
+    :func:`planner.decode_minimum_bytes` with ``tokens = T`` (the weights read once, each row's dense K/V and index
+    keys once for its T queries, the selected blocks per query: also the gathered K/V) and
+    :func:`planner.collectives` of the ``batch x T`` tokens. Context encoding, replicated:
+    :func:`planner.prefill_flops` of a prompt as long as the bucket, the port's query chunks' gathered K/V
+    (:func:`planner.chunk_bytes`); sharded, a call graph of C = bucket tokens over cache lines of ``max_length``
+    tokens: the last call of a ``max_length`` prompt (:func:`planner.chunk_flops`, :func:`planner.chunk_bytes` from
+    ``max_length - C``), the call the one graph must be able to serve; collectives: :func:`planner.collectives` of a
+    call of ``batch x bucket`` tokens."""
     tp, ep = man["layout"]["tp"], man["layout"]["ep"]
     batch = g.get("batch", man.get("batch_size", 1))
     size = 4 if str(man.get("dtype", "bfloat16")) in ("float32", "torch.float32") else 2
     layout, weights = kv_layout(man), man.get("weights", "bf16")
     try:
-        if g["submodel"] == "token_generation_model":
-            b = plan.decode_minimum_bytes(cfg, tp, ep, batch, g["bucket"], weights, dtype_bytes=size, layout=layout)
+        if g["submodel"] in STEPS:
+            t = row_tokens(man, g)
+            b = plan.decode_minimum_bytes(cfg, tp, ep, batch, g["bucket"], weights, dtype_bytes=size, layout=layout,
+                                          tokens=t)
             return {"bytes_read": b, "gathered_kv": b["kv_sparse"],
-                    "collectives": plan.collectives(cfg, tp, ep, batch, layout)}
+                    "collectives": plan.collectives(cfg, tp, ep, batch * t, layout, row_tokens=t)}
         coll = plan.collectives(cfg, tp, ep, batch * g["bucket"], layout, logit_rows=batch, phase="prefill",
                                 chunked=man["layout"].get("chunked", True))
         if layout == "sharded":

@@ -175,7 +175,7 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
             return sharded_step.rank_attention(Q, kc, vc, act, q_pos, q_pos[:, 0], rank, self.group_ops(),
                                                self.scale, self.selection if self.sparse else None, iq,
                                                past_key_value[2] if self.sparse else None, _topk_fn(),
-                                               one_gather=t < ONE_GATHER_TOKENS)
+                                               one_gather=t < sharded_step.ONE_GATHER_TOKENS)
         if not self.sparse:
             return ops.decode_step(Q, kc, vc, K.to(kc.dtype), V.to(vc.dtype), q_pos, self.scale)
         iq, ik, _, ikc = self._index  # validate_config keeps token-generation buckets block-aligned
@@ -203,11 +203,6 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         return sharded_step.rank_attention(Q, prior[0], prior[1], act, q_pos, start, rank, self.group_ops(), self.scale,
                                            self.selection if self.sparse else None, iq,
                                            prior[2] if self.sparse else None, _topk_fn())
-
-
-# a token-generation call of fewer tokens per row (decode, a speculative verify step) sends its query heads and
-# selection candidates in one all-gather (``sharded_step.rank_attention``)
-ONE_GATHER_TOKENS = 16
 
 
 def _topk_fn():

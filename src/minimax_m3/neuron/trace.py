@@ -51,11 +51,12 @@ def check(spec: EngineSpec) -> tuple[EngineSpec, M3Config]:
     return s, config
 
 
-def _bucket_of(example_inputs) -> tuple[int, int]:
-    """(bucket length, batch) of one bucket's example inputs: NxDI passes input_ids, attention_mask, ... and the
-    attention mask spans the bucket (prefill: the prompt bucket; decode: the cache bucket)."""
+def _bucket_of(example_inputs) -> tuple[int, int, int]:
+    """(bucket length, batch, tokens per row) of one bucket's example inputs: NxDI passes input_ids, attention_mask,
+    ... and the attention mask spans the bucket (prefill: the prompt bucket; decode and a speculative verify step:
+    the cache bucket); input_ids hold the call's tokens per row (decode 1, verify ``speculation_length``)."""
     ids, mask = example_inputs[0], example_inputs[1]
-    return int(mask.shape[-1]), int(ids.shape[0])
+    return int(mask.shape[-1]), int(ids.shape[0]), int(ids.shape[-1])
 
 
 def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> Path:
@@ -83,10 +84,10 @@ def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> P
                 if role == "weight" and not t.checkpoint_key:
                     role = "constant"
                 params.append({"number": n, "role": role, "name": name})
-            bucket, batch = _bucket_of(artifacts.example_inputs[i])
+            bucket, batch, tokens = _bucket_of(artifacts.example_inputs[i])
             workdir = Path(builder.compiler_workdir) / key / f"_tp0_bk{i}"
             command = workdir / "command.txt"
-            graphs.append({"submodel": key, "bucket": bucket, "batch": batch, "hlo": str(rel),
+            graphs.append({"submodel": key, "bucket": bucket, "batch": batch, "tokens": tokens, "hlo": str(rel),
                            "command": str(command.relative_to(out)) if command.is_file() and _under(command, out)
                            else (str(command) if command.is_file() else None),
                            "compiler_args": artifacts.compiler_args, "params": params,
@@ -98,6 +99,9 @@ def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> P
                    "world_size": nc.world_size, "rank": 0, **cache_layout(app.config)},
         "dtype": str(nc.torch_dtype).replace("torch.", ""), "batch_size": nc.batch_size,
         "max_length": nc.max_length, "model": model_config.fields_dict(), "graphs": graphs,
+        # a build with a draft: k + 1 tokens per verify step (the speculation graph), the target states it returns
+        "speculation_length": getattr(nc, "speculation_length", 0) or 0,
+        "aux_hidden_layers": list(getattr(app.config, "aux_hidden_layers", None) or ()),
         "weights": "fp8" if getattr(nc, "quantized", False) else "bf16",  # routed experts (checkpoint.fp8_experts)
     }
     path = out / "dry_run.json"

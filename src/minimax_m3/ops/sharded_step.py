@@ -44,6 +44,9 @@ COLLECTIVES = {
     "sparse prefill": (("all-gather", "query heads"), ("all-gather", "selection candidates (f32 score, id)"), _MERGE),
     "dense": (("all-gather", "query heads"), _MERGE),
 }
+# a decode or verify call of fewer tokens per row than this packs its query heads and selection candidates into ONE
+# all-gather (queries widened to float32): the port passes ``one_gather`` by it, the planner counts collectives by it
+ONE_GATHER_TOKENS = 16
 # score elements one query tile may hold (float32: 64 MiB): dense prefill over a long prior is tiled by queries
 TILE_ELEMENTS = 2 ** 24
 

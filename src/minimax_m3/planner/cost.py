@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..config import sharding
 from ..config.m3 import M3Config
+from ..ops.sharded_step import ONE_GATHER_TOKENS
 from .memory import (BF16, FP32, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens, group_size, prefill_chunk,
                      weight_bytes)
 
@@ -53,20 +54,23 @@ def weights_read(c: M3Config, tp: int, ep: int, tokens: int, weights: str = "bf1
 
 
 def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weights: str = "bf16",
-                         kv_dtype: str = "bf16", dtype_bytes: int = BF16, layout: str = PORT_LAYOUT
+                         kv_dtype: str = "bf16", dtype_bytes: int = BF16, layout: str = PORT_LAYOUT, tokens: int = 1
                          ) -> dict[str, int]:
-    """Bytes one token-generation step over caches of ``bucket`` tokens must read per rank.
+    """Bytes one token-generation step over caches of ``bucket`` tokens must read per rank: ``batch`` rows of
+    ``tokens`` tokens each (1: a decode step; ``k + 1``: a speculative verify step, NxDI's speculation graph).
 
-    * weights: :func:`weights_read` for ``batch`` tokens;
-    * sparse layers' K/V: the selected blocks, ``batch x min(topk x block, bucket) / G' x kv_heads x head_dim x 2``;
-    * index-K: ``batch x bucket / G' x index_head_dim`` per sparse layer;
-    * dense layers' K/V: ``batch x bucket / G' x kv_heads x head_dim x 2`` per dense layer;
+    * weights: :func:`weights_read` for ``batch x tokens`` tokens (read once for all of them);
+    * sparse layers' K/V: the selected blocks, ``batch x tokens x min(topk x block, bucket) / G' x kv_heads x
+      head_dim x 2`` (each query selects its own blocks: the queries of a row gather theirs apart);
+    * index-K: ``batch x bucket / G' x index_head_dim`` per sparse layer (once per row: its queries share the keys);
+    * dense layers' K/V: ``batch x bucket / G' x kv_heads x head_dim x 2`` per dense layer (once per row);
 
     G' = 1 for the ``replicated`` layout, G (each rank reads its 1/G of every block and key, rounded up) for
     ``sharded`` (the port's). The graph report compares each traced graph against its own layout's. ``dtype_bytes``
     is the model's element size (4 for a float32 trace): it scales every bf16 weight and, with ``kv_dtype="bf16"``,
-    the caches (fp32 routers and fp8 experts keep their size)."""
-    w = sum(weights_read(c, tp, ep, batch, weights, dtype_bytes).values())
+    the caches (fp32 routers and fp8 experts keep their size). The one home of the verify step's minimum: the graph
+    report's and the speculative projection's (:func:`.speculative.target_step`)."""
+    w = sum(weights_read(c, tp, ep, batch * tokens, weights, dtype_bytes).values())
     g = group_size(c, tp) if layout == "sharded" else 1
     kvb = dtype_bytes if kv_dtype == "bf16" else 1
     per_token_kv = _heads(c, c.num_kv_heads, tp) * c.head_dim * 2 * kvb
@@ -74,7 +78,8 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     keys = -(-bucket // g)
     return {
         "weights": w,
-        "kv_sparse": batch * -(-min(c.index_topk * c.index_block_size, bucket) // g) * per_token_kv * n_sparse,
+        "kv_sparse": batch * tokens * -(-min(c.index_topk * c.index_block_size, bucket) // g) * per_token_kv
+        * n_sparse,
         "index_k": batch * keys * c.index_head_dim * kvb * n_sparse,
         "kv_dense": batch * keys * per_token_kv * (c.num_layers - n_sparse),
     }
@@ -189,26 +194,29 @@ def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int,
 
 
 def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "sharded", logit_rows: int | None = None,
-                phase: str = "decode", chunked: bool = True) -> list[dict]:
+                phase: str = "decode", chunked: bool = True, row_tokens: int = 1) -> list[dict]:
     """The collectives of one forward pass over ``tokens`` tokens (a decode step at batch b: b, ``phase="decode"``;
-    a sharded prefill call: C, ``phase="prefill"``), one row each: ``name``, ``kind``, ``ranks`` (the group it runs
-    over), ``dtype``, ``bytes`` (the full buffer on each rank: an all-gather's output, a reduce-scatter's input, an
-    all-reduce's buffer, an all-to-all's input) and ``count`` (how many run per pass: the layers it runs in).
+    a speculative verify step: ``b x (k + 1)`` with ``row_tokens = k + 1``, ``phase="decode"``; a sharded prefill
+    call: C, ``phase="prefill"``), one row each: ``name``, ``kind``, ``ranks`` (the group it runs over), ``dtype``,
+    ``bytes`` (the full buffer on each rank: an all-gather's output, a reduce-scatter's input, an all-reduce's
+    buffer, an all-to-all's input) and ``count`` (how many run per pass: the layers it runs in).
 
     Both layouts: the embedding's all-gather (NxD's embedding is sharded along the hidden size), bf16 ``[T,
     hidden]``, once per pass; the attention output projection's all-reduce and the MLP's (experts + shared expert,
     or the dense MLP) over all ``tp`` ranks, bf16 ``[T, hidden]``; the LM head's logits all-gather, bf16 (the
     model's dtype: the cast to fp32 comes after it) ``[logit_rows, vocab padded to tp]``, once per pass
-    (``logit_rows`` defaults to ``tokens``; a prefill call's is its rows' last tokens). As the traced graphs have
-    them (``test/hlo/test_sharded_graphs.py``).
+    (``logit_rows`` defaults to ``tokens``: a verify step returns every token's logits; a prefill call's is its
+    rows' last tokens). As the traced graphs have them (``test/hlo/test_sharded_graphs.py``,
+    ``test/hlo/test_verify_graph.py``).
     Sharded, per attention layer, within the G ranks of a KV group (the port's step, ``ops.sharded_step``, whose
-    ``COLLECTIVES`` names them): the group's query heads all-gathered (bf16 ``[T, qg, d]``), in a decode step's
-    sparse layers packed with the selection candidates into ONE fp32 all-gather (``[G, T, qg/G * d + iq * K * 2]``);
-    a prefill call's sparse layers gather the candidates apart (fp32 ``[G, T, iq, K, 2]``: local top-K scores and
-    block ids, exact below 2^24); then one all-to-all by head of the partial outputs with their softmax max and sum
-    (fp32 ``[T, qg, d + 2]``). The index queries need none: every rank of a group projects its group's index head.
-    A prefill call of a prompt taken in one call (``chunked=False``) runs its dense layers on the rank alone (the
-    call's own keys: NxDI's flash kernel), without the group's collectives."""
+    ``COLLECTIVES`` names them): the group's query heads all-gathered (bf16 ``[T, qg, d]``), in a decode or verify
+    step's sparse layers (fewer than ``ops.sharded_step.ONE_GATHER_TOKENS`` tokens per row) packed with the
+    selection candidates into ONE fp32 all-gather (``[G, T, qg/G * d + iq * K * 2]``); a prefill call's sparse
+    layers (and a step of more tokens per row) gather the candidates apart (fp32 ``[G, T, iq, K, 2]``: local top-K
+    scores and block ids, exact below 2^24); then one all-to-all by head of the partial outputs with their softmax
+    max and sum (fp32 ``[T, qg, d + 2]``). The index queries need none: every rank of a group projects its group's
+    index head. A prefill call of a prompt taken in one call (``chunked=False``) runs its dense layers on the rank
+    alone (the call's own keys: NxDI's flash kernel), without the group's collectives."""
     n_sparse = sum(c.sparse_layers)
     h, d, L = c.hidden_size, c.head_dim, c.num_layers
     kv, iq, g = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp), group_size(c, tp)
@@ -216,16 +224,17 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
     rows = []
     if layout == "sharded" and g > 1:
         queries = dict(name="group queries", kind="all-gather", ranks=g, dtype="bf16", bytes=tokens * qg * d * BF16)
-        if phase == "decode":
+        grouped = L if phase == "decode" or chunked else n_sparse  # layers that run the group's step
+        if phase == "decode" and row_tokens < ONE_GATHER_TOKENS:
             rows += [dict(queries, count=L - n_sparse),
                      dict(name="group queries + selection candidates", kind="all-gather", ranks=g, dtype="fp32",
                           bytes=tokens * (qg * d + g * iq * c.index_topk * 2) * FP32, count=n_sparse)]
         else:
-            rows += [dict(queries, count=L if chunked else n_sparse),
+            rows += [dict(queries, count=grouped),
                      dict(name="selection candidates", kind="all-gather", ranks=g, dtype="fp32",
                           bytes=tokens * iq * g * c.index_topk * 2 * FP32, count=n_sparse)]
         rows.append(dict(name="partial outputs + max + sum", kind="all-to-all", ranks=g, dtype="fp32",
-                         bytes=tokens * qg * (d + 2) * FP32, count=L if phase == "decode" or chunked else n_sparse))
+                         bytes=tokens * qg * (d + 2) * FP32, count=grouped))
     rows = [dict(name="embedding", kind="all-gather", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=1),
             *rows,
             dict(name="attention output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),

@@ -6,11 +6,13 @@ leaves out and which a step cannot overlap).
 
 * plain decode at batch b: :func:`.cost.decode_minimum_bytes` for b tokens, their FLOPs (:func:`step_flops`) and
   :func:`.cost.collectives` of b tokens; one token per sequence.
-* a speculative step at batch b with k drafts: ONE verify step over ``b x (k + 1)`` tokens (the weights read once
-  for all of them; the state bytes counted per token, each query reading its own selected K/V blocks, index keys
-  and dense K/V: an upper bound, queries of one sequence could share their reads) plus ``k`` draft steps
-  (:func:`draft_step`: the draft layer's weights and its KV cache of the context, 3 collectives each); it yields
-  the acceptance length ``a`` (1 <= a <= k + 1) tokens per sequence.
+* a speculative step at batch b with k drafts: ONE verify step of ``b`` rows x ``k + 1`` tokens
+  (:func:`.cost.decode_minimum_bytes` with ``tokens = k + 1``: the weights read once for all of them, each row's
+  dense K/V and index keys once for its ``k + 1`` queries, the selected K/V blocks per query; its FLOPs per token;
+  :func:`.cost.collectives` of ``b x (k + 1)`` tokens, 2 per layer in the KV group as in decode: the graph's, in
+  ``test/hlo/test_verify_graph.py``) plus ``k`` draft steps (:func:`draft_step`: the draft layer's weights and its
+  KV cache of the context, 3 collectives each); it yields the acceptance length ``a`` (1 <= a <= k + 1) tokens per
+  sequence.
 
 tokens/s/sequence = ``a / (verify + k x draft)`` against ``1 / plain``. Nothing here ran on Trainium: arithmetic from
 the config, the published figures and an assumed draft (:data:`M3_DRAFT`) unless a draft's config is given.
@@ -63,13 +65,13 @@ def step_flops(c: M3Config, tp: int, ep: int, tokens: int, bucket: int) -> int:
     return tokens * per_token
 
 
-def target_step(c: M3Config, tp: int, ep: int, tokens: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
-                layout: str = PORT_LAYOUT) -> StepCost:
-    """A target forward over ``tokens`` tokens (plain decode: the batch; a verify step: ``batch x (k + 1)``)."""
+def target_step(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
+                layout: str = PORT_LAYOUT, tokens: int = 1) -> StepCost:
+    """A target forward over ``batch`` rows of ``tokens`` tokens each (plain decode: 1; a verify step: ``k + 1``)."""
     bucket = cache_tokens(c, tp, seq, layout)
-    b = decode_minimum_bytes(c, tp, ep, tokens, bucket, weights, kv_dtype, layout=layout)
-    n = sum(r["count"] for r in collectives(c, tp, ep, tokens, layout))
-    return StepCost(sum(b.values()), step_flops(c, tp, ep, tokens, bucket), n)
+    b = decode_minimum_bytes(c, tp, ep, batch, bucket, weights, kv_dtype, layout=layout, tokens=tokens)
+    n = sum(r["count"] for r in collectives(c, tp, ep, batch * tokens, layout, row_tokens=tokens))
+    return StepCost(sum(b.values()), step_flops(c, tp, ep, batch * tokens, bucket), n)
 
 
 def draft_step(dc: DraftConfig, tp: int, batch: int, seq: int) -> StepCost:
@@ -108,7 +110,7 @@ def project(c: M3Config, tp: int, ep: int, seq: int, k: int, weights: str = "bf1
             draft: DraftConfig = M3_DRAFT, batches=BATCHES, layout: str = PORT_LAYOUT) -> list[Projection]:
     """Plain and speculative steps at each batch."""
     return [Projection(b, target_step(c, tp, ep, b, seq, weights, kv_dtype, layout),
-                       target_step(c, tp, ep, b * (k + 1), seq, weights, kv_dtype, layout),
+                       target_step(c, tp, ep, b, seq, weights, kv_dtype, layout, tokens=k + 1),
                        draft_step(draft, tp, b, seq), k) for b in batches]
 
 
@@ -118,7 +120,7 @@ def format_projection(rows: list[Projection], seq: int, weights: str, acceptance
     lines = [f"speculative decoding, k={k} drafts, {seq} tokens, {weights} experts: tokens/s per sequence (x plain) "
              "at mean acceptance length a",
              f"(per rank: step = max(HBM, FLOP) + collectives x {COLLECTIVE_LATENCY_S * 1e6:.0f} us; a verify step "
-             f"reads the weights once for b x {k + 1} tokens, state bytes per token: an upper bound)",
+             f"reads the weights once for b x {k + 1} tokens, each row's dense K/V and index keys once)",
              f"{'batch':>5} {'plain ms':>9} {'verify ms':>9} {'draft ms':>8} {'plain t/s':>9}{head}"]
     for r in rows:
         cells = ""
