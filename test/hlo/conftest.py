@@ -99,6 +99,22 @@ def dry_run(model: Path, out: Path, args: list[str], draft: Path | None = None) 
     return out
 
 
+# TP 64: the 4 KV groups of 16 consecutive ranks (the sequence-sharded caches' collectives) and the whole TP group
+KV_GROUPS = [list(range(16 * k, 16 * k + 16)) for k in range(4)]
+ALL = [list(range(64))]
+
+
+def collective_ops(g: dict) -> dict[tuple, int]:
+    """A graph report's collectives counted by ``(kind, dtype, shape, bytes, "kv" | "tp" | "?")``: what the tests
+    write out by hand."""
+    out: dict[tuple, int] = {}
+    for op in g["collective_ops"]:
+        groups = "kv" if op["replica_groups"] == KV_GROUPS else "tp" if op["replica_groups"] == ALL else "?"
+        key = (op["kind"], op["dtype"], tuple(op["shape"]), op["bytes"], groups)
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
 def write_config(path: Path, config) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config.to_release_dict()))

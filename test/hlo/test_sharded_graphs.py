@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import REASON, dry_run, write_config
+from .conftest import REASON, collective_ops, dry_run, write_config
 
 TP64 = ["--tp", "64", "--ep", "64", "--lnc", "2"]
 LONG = TP64 + ["--batch", "1", "--seq-len", "32768", "--context-buckets", "8192,32768", "--token-buckets", "32768",
@@ -32,8 +32,6 @@ CHUNK = TP64 + ["--batch", "1", "--seq-len", "131072", "--max-context-len", "819
                 "--token-buckets", "131072", "--probe-chunks", "1,15"]
 DECODE32 = TP64 + ["--batch", "32", "--continuous-batching", "--seq-len", "4096", "--max-context-len", "128",
                    "--context-buckets", "128", "--token-buckets", "4096"]
-KV_GROUPS = [list(range(16 * k, 16 * k + 16)) for k in range(4)]
-ALL = [list(range(64))]
 MS_PER_BYTE = 1e3 / 725e9  # the planner's HBM rate per logical core
 
 
@@ -79,15 +77,6 @@ def test_the_layout_is_sharded_over_kv_groups_of_16(long, m3_report):
     assert long["replicated"]["layout"]["kv_layout"] == "replicated"
 
 
-def _ops(g: dict) -> dict[tuple, int]:
-    out: dict[tuple, int] = {}
-    for op in g["collective_ops"]:
-        groups = "kv" if op["replica_groups"] == KV_GROUPS else "tp" if op["replica_groups"] == ALL else "?"
-        key = (op["kind"], op["dtype"], tuple(op["shape"]), op["bytes"], groups)
-        out[key] = out.get(key, 0) + 1
-    return out
-
-
 def test_collectives_per_layer_by_hand(long):
     """A 8192-token call and a decode step (batch 1) of 1 dense + 1 sparse layer (``ops.sharded_step.COLLECTIVES``),
     over the 4 groups of 16 consecutive ranks (rank r with KV head r // 16); the TP all-reduces over all 64 ranks.
@@ -99,7 +88,7 @@ def test_collectives_per_layer_by_hand(long):
     lm = (200064, 1, 1)  # logits of the last token (vocab padded to 64 x 3126)
     t = 8192
     g = _graph(long["sharded"], "context_encoding_model", t)
-    assert _ops(g) == {
+    assert collective_ops(g) == {
         ("all-gather", "bf16", (6144, t, 1), 6144 * t * 2, "tp"): 1,  # NxD's embedding is sharded along hidden
         ("all-gather", "bf16", (16, 1, t, 128), 16 * t * 128 * 2, "kv"): 1,  # the group's 16 query heads
         ("all-gather", "f32", (16, 1, 1, t, 16, 2), 16 * t * 16 * 2 * 4, "kv"): 1,  # top-16 (score, id) x 16 ranks
@@ -108,7 +97,7 @@ def test_collectives_per_layer_by_hand(long):
         ("all-gather", "bf16", lm, 200064 * 2, "tp"): 1,
     }
     g = _graph(long["sharded"], "token_generation_model", 32768)
-    assert _ops(g) == {
+    assert collective_ops(g) == {
         ("all-gather", "bf16", (6144, 1, 1), 6144 * 2, "tp"): 1,
         ("all-gather", "bf16", (16, 1, 1, 128), 16 * 128 * 2, "kv"): 1,  # the dense layer's query heads
         ("all-gather", "f32", (16, 1, 1, 160), 16 * 160 * 4, "kv"): 1,  # query head + top-16 (score, id), packed

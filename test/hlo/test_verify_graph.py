@@ -38,14 +38,12 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REASON, dry_run, write_config
+from .conftest import REASON, collective_ops, dry_run, write_config
 
 K, B, BUCKET = 3, 4, 4096
 T = K + 1
 ARGS = ["--tp", "64", "--ep", "64", "--lnc", "2", "--batch", str(B), "--seq-len", str(BUCKET), "--max-context-len",
         "128", "--context-buckets", "128", "--token-buckets", str(BUCKET)]
-KV_GROUPS = [list(range(16 * k, 16 * k + 16)) for k in range(4)]
-ALL = [list(range(64))]
 
 
 def _config():
@@ -111,15 +109,6 @@ def test_verify_state_bytes_by_hand(builds):
     assert {k: g["analytic"]["bytes_read"][k] for k in want} == want
 
 
-def _ops(g: dict) -> dict[tuple, int]:
-    out: dict[tuple, int] = {}
-    for op in g["collective_ops"]:
-        groups = "kv" if op["replica_groups"] == KV_GROUPS else "tp" if op["replica_groups"] == ALL else "?"
-        key = (op["kind"], op["dtype"], tuple(op["shape"]), op["bytes"], groups)
-        out[key] = out.get(key, 0) + 1
-    return out
-
-
 def test_verify_collectives_by_hand(builds):
     """16 tokens (4 rows x 4): the embedding all-gather (NxD's embedding is sharded along hidden); per layer the
     KV group's 2: the dense layer gathers its 16 query heads (bf16), each sparse layer packs its query head (f32) and
@@ -128,7 +117,7 @@ def test_verify_collectives_by_hand(builds):
     attention and MLP all-reduces over the 64 ranks; the logits of every token gathered (vocab padded to 64 x 3126)."""
     n = B * T
     g = _graph(builds["draft"], "speculation_model")
-    assert _ops(g) == {
+    assert collective_ops(g) == {
         ("all-gather", "bf16", (6144, T, B), 6144 * n * 2, "tp"): 1,
         ("all-gather", "bf16", (16, B, T, 128), 16 * n * 128 * 2, "kv"): 1,  # the dense layer's query heads
         ("all-gather", "f32", (16, B, T, 160), 16 * n * 160 * 4, "kv"): 2,  # query head + top-16, packed
@@ -137,7 +126,8 @@ def test_verify_collectives_by_hand(builds):
         ("all-gather", "bf16", (200064, T, B), n * 200064 * 2, "tp"): 1,
     }
     # as many as the one-token step: 2 per layer in the group, 2 all-reduces, the embedding and the logits
-    assert sum(_ops(_graph(builds["plain"], "token_generation_model")).values()) == sum(_ops(g).values()) == 14
+    plain = _graph(builds["plain"], "token_generation_model")
+    assert sum(collective_ops(plain).values()) == sum(collective_ops(g).values()) == 14
 
 
 def test_the_report_lists_the_planners_collectives(builds):
