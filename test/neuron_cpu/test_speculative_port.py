@@ -68,7 +68,9 @@ def test_a_draft_build_has_the_speculation_graph_on_sharded_caches(engines):
     assert app.neuron_config.speculation_length == K + 1 and not hasattr(app, "token_generation_model")
     assert app.config.kv_layout == "sharded" and app.config.num_cores_per_group == _tp()
     assert app.speculation_model.model.kv_mgr.kv_lines(0)[0].shape[2] == SEQ // _tp()
-    assert port.provider.max_seq_len == SEQ - K
+    assert port.provider.max_seq_len == SEQ - K and port.provider.speculative_tokens == K
+    # scoring before any generation (a speculating engine's prefill calls keep the draft's states)
+    assert port.prefill_logits([PROMPTS[1]])[0].shape[0] == len(PROMPTS[1])
 
 
 def test_verify_logits_at_each_rows_own_position(engines):

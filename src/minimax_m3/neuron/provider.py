@@ -152,29 +152,30 @@ class SpeculativeNeuronProvider(HostDrafter, NeuronProvider):
     verify writes its positions before it attends), so a verify step may write up to ``k`` positions past the last
     token: ``max_seq_len`` is the cache length less ``k``."""
 
-    def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config, drafter, k: int):
+    def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config, drafter):
         super().__init__(app, config)
-        self.drafter, self.speculative_tokens = drafter, k
-        self.width = app.neuron_config.speculation_length
-        if self.width != k + 1:
-            raise EngineInputError(f"speculating with {k} drafts needs a build with speculation_length {k + 1} "
-                                   f"(this one: {self.width})")
-        self.max_seq_len = self.max_seq_len - k
+        self.width = app.neuron_config.speculation_length  # k + 1: the build's verify graph fixes k
+        if self.width < 2:
+            raise EngineInputError(f"speculating needs a build with a draft (speculation_length >= 2, this one: "
+                                   f"{self.width}): load the spec with its draft")
+        self.drafter, self.speculative_tokens = drafter, self.width - 1
+        self.max_seq_len = self.max_seq_len - self.speculative_tokens
         self._verified: dict[int, tuple[int, list[int], torch.Tensor | None]] = {}
+        self._prompt_states: dict[int, torch.Tensor] = {}  # prefilled rows' target states, for the drafter
 
     def start(self, gen: GenerationConfig) -> None:
         super().start(gen)
         self.drafter.reset(self.max_batch, self.app.neuron_config.seq_len)
 
     def prefill(self, prompts: list[list[int]], slots: list[int], max_len: int = 0):
-        self._prompt_states = {}
+        self._prompt_states.clear()
         out = super().prefill(prompts, slots, max_len)
         for p, r in zip(prompts, slots):
             self.drafter.extend(r, 0, self._prompt_states.pop(r, None), p[1:])
         return out
 
     def _call(self, rows, seq_ids):
-        out = super()._call(rows, seq_ids)
+        out = super()._call(rows, seq_ids)  # also prefill_logits' calls: their states are dropped at the next prefill
         if self._states is not None:
             for i, (row, slot) in enumerate(zip(rows, seq_ids.tolist())):
                 self._prompt_states.setdefault(slot, self._states[i, :len(row)].float())
@@ -208,9 +209,7 @@ class NeuronEngine(Engine):
 
     def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config, spec: EngineSpec | None = None,
                  drafter=None):
-        k = spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else 3
-        provider = NeuronProvider(app, config) if drafter is None else \
-            SpeculativeNeuronProvider(app, config, drafter, k)
+        provider = NeuronProvider(app, config) if drafter is None else SpeculativeNeuronProvider(app, config, drafter)
         super().__init__(provider, spec)
         self.app = app
 
