@@ -10,12 +10,14 @@ the plugin writes (``NEURON_CPU_REPORT_DIR``): on every rank the file ran tests 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from test.support.neuron import result_cache
 from test.support.neuron.cpu_plugin import free_port
 
 pytestmark = pytest.mark.neuron_cpu
@@ -28,24 +30,37 @@ TIMEOUT_S = int(os.environ.get("NEURON_CPU_TORCHRUN_TIMEOUT", "3600"))
 
 
 def _launch(tp: int, paths: list[str], where: Path) -> dict:
-    """One ``torchrun`` of ``paths`` at ``tp``: its exit code, console tail and each rank's outcomes."""
+    """One ``torchrun`` of ``paths`` at ``tp``: its exit code, console tail and each rank's outcomes.
+
+    The launch is a pure function of the test tree, the package, the NxDI/NxD sources and the library versions: a
+    launch that exited 0 is kept in the suites' result cache under a key hashing all of them
+    (``test.support.neuron.result_cache``; ``MINIMAX_M3_TRACE_CACHE=off`` launches every time), and the same tree
+    tested again on this machine reads its per-rank outcome files and logs from there. Any edit reruns it."""
     reports = where / "reports"
-    reports.mkdir(parents=True)
-    env = dict(os.environ, NEURON_CPU_BASETEMP=str(where / "tmp"), NEURON_CPU_REPORT_DIR=str(reports),
-               OMP_NUM_THREADS="1")
     logs = where / "rank-logs"  # one stdout per rank: interleaved console output cannot be counted reliably
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", f"--master-port={free_port()}",
-           f"--log-dir={logs}", "--redirects=3", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "-p", "test.support.neuron.cpu_plugin", "--backend", "neuron-cpu", *paths]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+    def launch() -> str:
+        reports.mkdir(parents=True)
+        env = dict(os.environ, NEURON_CPU_BASETEMP=str(where / "tmp"), NEURON_CPU_REPORT_DIR=str(reports),
+                   OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}",
+               f"--master-port={free_port()}", f"--log-dir={logs}", "--redirects=3", "-m", "pytest", "-q",
+               "-p", "no:cacheprovider", "-p", "test.support.neuron.cpu_plugin", "--backend", "neuron-cpu", *paths]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        shutil.rmtree(where / "tmp", ignore_errors=True)  # the ranks' scratch checkpoints: not an output
+        return json.dumps({"rc": proc.returncode, "console": proc.stdout + proc.stderr})
+
+    ran = json.loads(result_cache.cached("test.neuron_cpu.torchrun", [str(tp), *paths],
+                                         [ROOT / "test", ROOT / "pyproject.toml"], where, launch,
+                                         keep=lambda stdout: json.loads(stdout)["rc"] == 0))
     rank_out = sorted(logs.glob("**/stdout.log"))
     text = "\n".join(f.read_text() for f in rank_out)
     outcomes = {}  # rank -> [(nodeid, phase, outcome)]
     for f in sorted(reports.glob("rank*.jsonl")):
         rows = [json.loads(line) for line in f.read_text().splitlines()]
         outcomes[int(f.stem.removeprefix("rank"))] = [(r["nodeid"], r["when"], r["outcome"]) for r in rows]
-    return {"rc": proc.returncode, "rank_out": rank_out, "outcomes": outcomes, "paths": paths,
-            "tail": "\n".join((proc.stdout + proc.stderr + text).splitlines()[-60:])}
+    return {"rc": ran["rc"], "rank_out": rank_out, "outcomes": outcomes, "paths": paths,
+            "tail": "\n".join((ran["console"] + text).splitlines()[-60:])}
 
 
 @pytest.fixture(scope="module")

@@ -38,3 +38,25 @@ def test_two_clones_of_one_tree_share_keys_and_a_change_does_not(tmp_path, monke
     (ckpt / "config.json").write_text('{"a": 1}')
     monkeypatch.setattr(result_cache, "REPO", tmp_path / "three")
     assert result_cache.inputs_key("mod", ["--tp", "2"], [ckpt]) != keys[0]
+
+
+def test_a_run_not_kept_runs_again_and_a_kept_one_does_not(tmp_path, monkeypatch):
+    """``cached(keep=...)``: a launch that failed (a timeout, a taken port) is not stored; one that passed is read
+    back, output folder and stdout, without running."""
+    monkeypatch.setenv("MINIMAX_M3_TRACE_CACHE", str(tmp_path / "cache"))
+    ran = []
+
+    def produce(rc):
+        def run():
+            ran.append(rc)
+            (tmp_path / "out").mkdir(exist_ok=True)
+            (tmp_path / "out" / "report.txt").write_text(f"rc={rc}")
+            return f"rc={rc}"
+        return run
+
+    keep = lambda stdout: stdout == "rc=0"  # noqa: E731
+    for rc in (1, 1, 0, 0):
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        got = result_cache.cached("launch", ["2"], [], tmp_path / "out", produce(rc), keep=keep)
+        assert (tmp_path / "out" / "report.txt").read_text() == got
+    assert ran == [1, 1, 0]  # the failed run ran twice, the passing one once: the fourth call read it back

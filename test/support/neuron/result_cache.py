@@ -1,11 +1,12 @@
 """Outputs of the test suites' deterministic subprocesses, kept across runs under a hash of every input.
 
-A graph-harness dry run, the TP 1 execution of its modules and a pre-sharding run are each a pure function of their
-inputs: the files they read (a checkpoint, a dry run's modules, a request), their arguments, this repository's package
-and test support code, the NxDI/NxD sources and the library versions. :func:`cached` keeps a run's output folder and
-stdout under a key hashing all of them (like neuronx-cc's own compile cache), so a second run of the suites on the
-same machine and tree copies them instead of running again; any change to any input is a new key. The tests still
-check every file they read.
+A graph-harness dry run, the TP 1 execution of its modules, a pre-sharding run and a ``torchrun`` launch of the
+CPU-mode suite at TP 2 or 4 are each a pure function of their inputs: the files they read (a checkpoint, a dry run's
+modules, a request, the test tree), their arguments, this repository's package and test support code, the NxDI/NxD
+sources and the library versions. :func:`cached` keeps a run's output folder and stdout under a key hashing all of
+them (like neuronx-cc's own compile cache, or a build system's test-result cache), so a second run of the suites on
+the same machine and tree copies them instead of running again; any change to any input is a new key. The tests
+still check every file they read (a launch's per-rank outcomes and logs are graded as if it had just run).
 
 ``MINIMAX_M3_TRACE_CACHE`` names the folder (default ``~/.cache/minimax-m3/traces``); ``off`` runs everything every
 time. Point it at an empty folder to time a first run.
@@ -60,16 +61,18 @@ def inputs_key(name: str, args: list[str], inputs: list[Path]) -> str:
     return h.hexdigest()[:24]
 
 
-def cached(name: str, args: list[str], inputs: list[Path], out: Path, produce: Callable[[], str]) -> str:
+def cached(name: str, args: list[str], inputs: list[Path], out: Path, produce: Callable[[], str],
+           keep: Callable[[str], bool] = lambda stdout: True) -> str:
     """``produce()`` (which writes ``out`` and returns its stdout), or, when the same inputs ran before, their output
-    folder copied into ``out`` and their stdout."""
+    folder copied into ``out`` and their stdout. A run is stored only when ``keep(stdout)`` (a launch that failed
+    for a reason outside its inputs, a timeout or a taken port, must run again next time)."""
     root = cache_root()
     key = root / inputs_key(name, args, inputs) if root else None
     if key is not None and (key / ".done").is_file():
         shutil.copytree(key / "out", out, dirs_exist_ok=True)
         return (key / "stdout.txt").read_text()
     stdout = produce()
-    if key is not None:
+    if key is not None and keep(stdout):
         tmp = key.with_name(key.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(out, tmp / "out")
