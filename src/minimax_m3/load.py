@@ -45,7 +45,7 @@ def load_engine(spec: EngineSpec | str, backend: str | None = None, **kw) -> Eng
     from .neuron import load_neuron_engine
 
     drafter = None
-    if spec.draft:  # the neuron backends verify drafts on the device and draft on the host (issue 24)
+    if spec.draft and not spec.fused_speculation:  # verify on the device, draft on the host (fused: both on it)
         from .reference.eagle3 import load_host_drafter
 
         drafter = load_host_drafter(spec.draft, spec.model, config)

@@ -25,7 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SUITE = ["test/integration/test_backend_suite.py", "test/neuron_cpu/test_harness_llama.py",
          "test/neuron_cpu/test_port_cpu.py", "test/neuron_cpu/test_vocab_padding.py",
          "test/neuron_cpu/test_continuous_batching.py", "test/neuron_cpu/test_sharded_caches.py",
-         "test/neuron_cpu/test_chunked_prefill.py", "test/neuron_cpu/test_speculative_port.py"]
+         "test/neuron_cpu/test_chunked_prefill.py", "test/neuron_cpu/test_speculative_port.py",
+         "test/neuron_cpu/test_fused_speculation.py"]
+TPS = (2, 4)
+# files run at fewer degrees (the targets: TP 1 and 2; CI time): the speculative paths at TP 2
+ONLY = {"test/neuron_cpu/test_speculative_port.py": (2,), "test/neuron_cpu/test_fused_speculation.py": (2,)}
+CASES = [(tp, path) for tp in TPS for path in SUITE if tp in ONLY.get(path, TPS)]
 TIMEOUT_S = int(os.environ.get("NEURON_CPU_TORCHRUN_TIMEOUT", "3600"))
 
 
@@ -85,8 +90,7 @@ def _problems(outcomes: list, path: str) -> tuple[int, list]:
     return passed, [o for o in mine if o[2] == "failed"]
 
 
-@pytest.mark.parametrize("path", SUITE)
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp, path", CASES)
 def test_suite_under_torchrun(tp, path, torchrun_at):
     if "WORLD_SIZE" in os.environ:
         pytest.skip("already running under torchrun")

@@ -144,6 +144,34 @@ def test_the_loop_takes_token_ids_from_a_device_that_samples():
     assert got.timings["accepted_tokens"] == want.timings["accepted_tokens"] > 0
 
 
+def test_a_provider_that_speculates_in_one_call():
+    """A fused provider (``speculate``: drafting, verifying and accepting in one device call, k drafts per row):
+    the loop appends what it emits through the same stop rules and counts k drafts per step, by hand."""
+
+    class Fused(FakeSpec):
+        def speculate(self, slots, lasts, positions):
+            self.calls.append(("speculate", list(slots), list(lasts), list(positions)))
+            out = []
+            for last, pos in zip(lasts, positions):
+                n = next((j for j in range(self.speculative_tokens) if not self.agree(pos + 1 + j)),
+                         self.speculative_tokens)
+                out.append([(last + 1 + j) % V for j in range(n + 1)])  # accepted drafts, then the target's
+            return out
+
+    fake = Fused(agree=lambda pos: pos != 3)
+    res = Engine(fake).generate([[3]], GenerationConfig(max_new_tokens=8))[0]
+    # prefill: 4 at position 1. Step at 1: drafts for positions 2 (ok), 3 (wrong): 1 accepted -> 5, 6.
+    # step at 3: 3 accepted -> 7, 8, 9, 10. Step at 7: 3 accepted -> 11 (and 12, 13, 14 past the 8 asked for).
+    assert res.tokens == list(range(4, 12)) and res.finish_reason == "length"
+    assert [c for c in fake.calls if c[0] == "speculate"] == [("speculate", [0], [4], [1]),
+                                                              ("speculate", [0], [6], [3]),
+                                                              ("speculate", [0], [10], [7])]
+    t = res.timings
+    assert (t["spec_steps"], t["draft_tokens"], t["accepted_tokens"]) == (3, 9, 7)
+    eos = Engine(Fused()).generate([[3]], GenerationConfig(max_new_tokens=10, eos_token_ids=(6,)))[0]
+    assert (eos.tokens, eos.finish_reason) == ([4, 5, 6], "eos")
+
+
 def _dist(logits: torch.Tensor, gen) -> torch.Tensor:
     return speculative.distribution(logits, gen)
 

@@ -36,6 +36,32 @@ def test_draft_fields_default_and_problems(monkeypatch):
         EngineSpec("m", device="cpu", draft="d").validate(TINY)
 
 
+def test_fused_speculation_is_the_neuron_backends_with_on_device_sampling():
+    """``--fused-speculation`` (NxDI's fused EAGLE3 speculation): a neuron backend, a draft, on-device sampling and a
+    whole prompt per prefill call, each missing one named in the one SpecError; CPU mode then defaults to
+    last-position prefill (the fused graph returns token ids only)."""
+    ok = EngineSpec("m", backend="neuron-cpu", draft="d", fused_speculation=True, on_device_sampling=True,
+                    max_seq_len=256, max_context_len=128, prefill_chunk=128)
+    def fused(spec):  # (without the SDK here, CPU mode's own "needs NxD Inference importable" is listed too)
+        return [p for p in spec.problems(TINY) if "fused" in p]
+
+    assert fused(ok) == [] and ok.resolve(TINY).all_logits is False
+    assert "fused_speculation" in str(ok.resolve(TINY).artifact_key())
+    problems = fused(EngineSpec("m", backend="neuron-cpu", draft="d", fused_speculation=True, max_seq_len=256,
+                                max_context_len=128, prefill_chunk=64, all_logits=True))
+    assert [p.split(":")[0] for p in problems] == [
+        "fused_speculation (--fused-speculation) accepts drafts on the device",
+        "fused_speculation returns token ids only",
+        "fused_speculation with prefill_chunk 64 < max_context_len 128"]
+    assert EngineSpec("m", device="cpu", fused_speculation=True).problems(TINY) == [
+        "fused_speculation (--fused-speculation) needs a draft: add --draft DIR"]
+    assert EngineSpec("m", device="cpu", draft="d", fused_speculation=True).problems(TINY)[0].startswith(
+        "fused_speculation (--fused-speculation) is NxDI's")
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt-ids", "1", "--draft", "d",
+                                      "--fused-speculation", "--backend", "neuron-cpu"])
+    assert spec_from_args(args).fused_speculation is True
+
+
 def test_the_engine_options_carry_the_draft():
     args = build_parser().parse_args(["generate", "--model", "m", "--prompt-ids", "1", "--draft", "d",
                                       "--speculative-tokens", "4"])

@@ -121,7 +121,9 @@ class StepProvider(Protocol):
     #   ``verify(slots, tokens, positions) -> [logits [len(tokens[i]), vocab]]``: one target forward per row over
     #       ``tokens[i]`` placed at ``positions[i] ..`` (row j: the logits after ``tokens[i][j]``), or per row a
     #       :class:`StepOutput` of the tokens the device chose there (``token_ids [len(tokens[i])]``);
-    #   ``accept(slots, accepted)``: row i kept ``accepted[i]`` drafts of the last verify.
+    #   ``accept(slots, accepted)``: row i kept ``accepted[i]`` drafts of the last verify;
+    #   or, drafting and verifying in one device call, ``speculate(slots, lasts, positions) -> [tokens]``: per row
+    #       the tokens emitted after ``lasts[i]`` (the accepted drafts of ``speculative_tokens``, then the target's).
 
 
 @dataclass
@@ -315,19 +317,24 @@ class Engine:
 
         t1 = time.perf_counter()
         lasts, positions = [s.tokens[-1] for s in seqs], [s.pos for s in seqs]
-        drafts = p.propose(active, lasts, positions, ks, choose)
-        verified = p.verify(active, [[t] + d for t, d in zip(lasts, drafts)], positions)
-        # per row: logits [k + 1, vocab], or a StepOutput whose token_ids the device chose (on-device sampling)
-        outcome = [speculative.verify_chosen(v.token_ids.tolist(), d) if isinstance(v, StepOutput) else
-                   speculative.verify(v, d, q, gen, s.seed, s.pos + 1)
-                   for v, d, q, s in zip(verified, drafts, qs, seqs)]
-        p.accept(active, [a for a, _ in outcome])
+        if hasattr(p, "speculate"):  # drafted, verified and accepted in one device call (k drafts per row)
+            emitted = p.speculate(active, lasts, positions)
+            steps = [(self.speculative_tokens, len(e) - 1, e, None) for e in emitted]
+        else:
+            drafts = p.propose(active, lasts, positions, ks, choose)
+            verified = p.verify(active, [[t] + d for t, d in zip(lasts, drafts)], positions)
+            # per row: logits [k + 1, vocab], or a StepOutput whose token_ids the device chose (on-device sampling)
+            outcome = [speculative.verify_chosen(v.token_ids.tolist(), d) if isinstance(v, StepOutput) else
+                       speculative.verify(v, d, q, gen, s.seed, s.pos + 1)
+                       for v, d, q, s in zip(verified, drafts, qs, seqs)]
+            p.accept(active, [a for a, _ in outcome])
+            steps = [(len(d), a, d[:a] + [tok], v.logits if isinstance(v, StepOutput) else v)
+                     for d, v, (a, tok) in zip(drafts, verified, outcome)]
         dt = time.perf_counter() - t1
-        for r, seq, d, v, (a, tok) in zip(active, seqs, drafts, verified, outcome):
+        for r, seq, (drafted, a, tokens, lg) in zip(active, seqs, steps):
             seq.step_s.append(dt)
-            seq.spec = [seq.spec[0] + 1, seq.spec[1] + len(d), seq.spec[2] + a]
-            lg = v.logits if isinstance(v, StepOutput) else v
-            for j, t in enumerate(d[:a] + [tok]):
+            seq.spec = [seq.spec[0] + 1, seq.spec[1] + drafted, seq.spec[2] + a]
+            for j, t in enumerate(tokens):
                 seq.logits = None if lg is None else lg[j]
                 reason = self._append(seq, t, gen, t0)
                 if reason:

@@ -31,9 +31,9 @@ ARTIFACT_FILE = "minimax-m3-spec.json"  # in a compiled directory: the artifact 
 # the fields that change the compiled NEFFs (and so name the artifact directory)
 ARTIFACT_FIELDS = ("tp", "ep", "lnc", "dtype", "max_batch", "max_seq_len", "max_context_len", "context_buckets",
                    "token_buckets", "continuous_batching", "all_logits", "on_device_sampling", "weights",
-                   "prefill_chunk", "draft", "num_speculative_tokens")
+                   "prefill_chunk", "draft", "num_speculative_tokens", "fused_speculation")
 # artifact fields added after records were first written: a record without one was compiled with this value
-_RECORD_DEFAULTS = {"weights": "bf16", "draft": None, "num_speculative_tokens": None}
+_RECORD_DEFAULTS = {"weights": "bf16", "draft": None, "num_speculative_tokens": None, "fused_speculation": False}
 WEIGHTS = ("bf16", "fp8")
 
 
@@ -80,6 +80,7 @@ class EngineSpec:
     cache_dir: str | None = None  # where s3:// models are downloaded
     draft: str | None = None  # an EAGLE3 draft checkpoint: speculative decoding
     num_speculative_tokens: int | None = None  # drafts per step with a draft (default 3)
+    fused_speculation: bool = False  # neuron: the draft runs inside the device graph (NxDI's fused speculation)
 
     # ---- defaults ---------------------------------------------------------------------------------------------
     def resolve(self, config: M3Config | None = None) -> "EngineSpec":
@@ -111,7 +112,8 @@ class EngineSpec:
             kw["num_speculative_tokens"] = 3
         if neuron:
             kw["continuous_batching"] = batch > 1 if self.continuous_batching is None else self.continuous_batching
-            kw["all_logits"] = (b == "neuron-cpu") if self.all_logits is None else self.all_logits
+            kw["all_logits"] = (b == "neuron-cpu" and not self.fused_speculation) if self.all_logits is None \
+                else self.all_logits
             # a prefill call is at most one chunk: the buckets end at the chunk (or the context, when shorter)
             kw["context_buckets"] = tuple(sorted(self.context_buckets or context_buckets(min(ctx, chunk or ctx))))
             if self.token_buckets:
@@ -159,13 +161,35 @@ class EngineSpec:
         """Speculative decoding with an EAGLE3 draft: on the reference backend in one process. The checkpoint itself
         is checked when it loads, against the model (``checkpoint.draft``)."""
         if not self.draft:
-            return [] if self.num_speculative_tokens is None else [
-                "num_speculative_tokens (--speculative-tokens) applies with a draft: add --draft DIR"]
+            return ([] if self.num_speculative_tokens is None else [
+                "num_speculative_tokens (--speculative-tokens) applies with a draft: add --draft DIR"]) + \
+                (["fused_speculation (--fused-speculation) needs a draft: add --draft DIR"]
+                 if self.fused_speculation else [])
         out = []
         if self.num_speculative_tokens < 1:
             out.append(f"num_speculative_tokens (--speculative-tokens) must be >= 1, got {self.num_speculative_tokens}")
         if self.backend == "reference" and self.tp > 1:
             out.append(f"a draft with reference tp {self.tp}: not yet; speculate in one process (drop torchrun)")
+        if self.fused_speculation:
+            out += self._fused_problems()
+        return out
+
+    def _fused_problems(self) -> list[str]:
+        """NxDI's fused speculation (the draft inside the graph, ``neuron.eagle``): on-device sampling (NxDI accepts
+        on the device), a whole prompt per prefill call (NxDI's draft writes a prefill from slot 0)."""
+        out = []
+        if not _neuron(self.backend):
+            out.append("fused_speculation (--fused-speculation) is NxDI's: use --backend neuron or neuron-cpu (the "
+                       "reference speculates with its own drafter)")
+            return out
+        if not self.on_device_sampling:
+            out.append("fused_speculation (--fused-speculation) accepts drafts on the device: add --on-device-sampling")
+        if self.all_logits:
+            out.append("fused_speculation returns token ids only: drop --all-logits")
+        if self.prefill_chunk is not None and self.prefill_chunk < self.max_context_len:
+            out.append(f"fused_speculation with prefill_chunk {self.prefill_chunk} < max_context_len "
+                       f"{self.max_context_len}: NxDI's draft prefills a whole prompt in one call; raise "
+                       "--prefill-chunk to the longest prompt or lower --max-context-len")
         return out
 
     def validate(self, config: M3Config | None = None) -> "EngineSpec":
@@ -359,6 +383,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, backend: str | None = "ref
                                                    "decoding, reference backend (docs/speculative.md)")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, default=None,
                    help="draft tokens verified per target forward with --draft (default 3)")
+    g.add_argument("--fused-speculation", action="store_true", default=None,
+                   help="neuron: run the draft inside the device graph (NxDI's fused EAGLE3 speculation; needs "
+                        "--on-device-sampling); without it the draft runs on the host")
 
 
 def spec_from_args(args: argparse.Namespace, **overrides) -> EngineSpec:

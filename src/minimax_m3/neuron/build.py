@@ -14,7 +14,7 @@ from ..config.m3 import M3Config
 from ..engine.spec import EngineSpec
 from . import sampling
 from .config import MiniMaxM3InferenceConfig, MiniMaxM3NeuronConfig, config_hook
-from .model import AllPositionsForCausalLM, NeuronMiniMaxM3ForCausalLM
+from .model import AllPositionsForCausalLM, NeuronMiniMaxM3ForCausalLM, NeuronMiniMaxM3Model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -45,6 +45,10 @@ def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
         kw.update(on_device_sampling_config=sampling.on_device_sampling_config())
     if spec.draft:  # NxDI's speculation graph verifies k drafts in one step of k + 1 tokens per row
         kw.update(speculation_length=spec.num_speculative_tokens + 1)
+    if spec.fused_speculation:  # the draft in the graph too (neuron.eagle): NxDI accepts greedily, on the device
+        kw.update(enable_fused_speculation=True, enable_eagle_speculation=True, is_eagle3=True,
+                  disable_kv_cache_tiling=True,
+                  on_device_sampling_config=sampling.on_device_sampling_config(do_sample=False, dynamic=True))
     kw.update(extra)
     return MiniMaxM3NeuronConfig(**kw)
 
@@ -54,9 +58,16 @@ def inference_config(spec: EngineSpec, config: M3Config, **extra) -> MiniMaxM3In
     again); with a draft (``spec.draft``, a local directory whose ``config.json`` is read and checked against the
     model here: one ``DraftError``) every call also returns the target states the draft reads.
     ``validate_config``'s problems as one :class:`~minimax_m3.errors.ServingError`."""
-    aux = draft_config(spec.draft, config).aux_layers(config.num_layers) if spec.draft else ()
-    return MiniMaxM3InferenceConfig(neuron_config(spec, **extra), load_config=config_hook(config, spec.model),
-                                    aux_hidden_layers=aux)
+    dc = draft_config(spec.draft, config) if spec.draft else None
+    aux = dc.aux_layers(config.num_layers) if dc else ()
+    out = MiniMaxM3InferenceConfig(neuron_config(spec, **extra), load_config=config_hook(config, spec.model),
+                                   aux_hidden_layers=aux)
+    if spec.fused_speculation:
+        from . import eagle
+
+        out.fused_spec_config = eagle.fused_spec_config(dc, config, out, spec.model, spec.draft,
+                                                       NeuronMiniMaxM3Model)
+    return out
 
 
 def application(model: str, config: MiniMaxM3InferenceConfig) -> NeuronMiniMaxM3ForCausalLM:

@@ -75,12 +75,29 @@ UNSUPPORTED = (
      "override_neuron_config"),
     (lambda kw: kw.get("is_block_kv_layout") and not (kw.get("is_prefix_caching") or kw.get("chunked_prefill_config")),
      f"is_block_kv_layout: {_NO_BLOCK_KV}; remove it from override_neuron_config"),
-    (lambda kw: kw.get("enable_fused_speculation") or kw.get("enable_eagle_speculation")
-     or kw.get("medusa_speculation_length"),
-     "fused (EAGLE) speculation: not yet (the port verifies drafts in its speculation graph, speculation_length, "
-     "with the draft on the host: minimax-m3 --draft); remove --speculative-config (and the speculation fields of "
-     "override_neuron_config)"),
+    (lambda kw: kw.get("medusa_speculation_length") or (
+        (kw.get("enable_fused_speculation") or kw.get("enable_eagle_speculation"))
+        and not (kw.get("enable_fused_speculation") and kw.get("enable_eagle_speculation") and kw.get("is_eagle3"))),
+     "speculation other than fused EAGLE3 (Medusa, EAGLE-1/2, a plain draft model): not supported; the port runs "
+     "an EAGLE3 draft (minimax-m3 --draft DIR [--fused-speculation]); remove --speculative-config (and the "
+     "speculation fields of override_neuron_config)"),
 )
+
+
+def fused_problems(nc) -> list[str]:
+    """What NxDI's fused EAGLE3 speculation (``neuron.eagle``) needs of the target's neuron config."""
+    out = []
+    if nc.kv_cache_tiling:
+        out.append("kv_cache_tiling (NxDI turns it on for fused speculation): the port's caches are untiled "
+                   "[rows, heads, positions, dim]; set disable_kv_cache_tiling=True")
+    odsc = nc.on_device_sampling_config
+    if odsc is None or odsc.do_sample:
+        out.append("fused speculation needs on_device_sampling_config with do_sample=False (NxDI then keeps a draft "
+                   "while it equals the target's token; the port's seeded sampler draws that token when dynamic=True)")
+    if 0 < nc.prefill_chunk < nc.max_context_length:
+        out.append(f"fused speculation with prefill_chunk {nc.prefill_chunk} < max_context_length "
+                   f"{nc.max_context_length}: NxDI's draft prefills a whole prompt in one call")
+    return out
 
 
 def serving_problems(kwargs: dict) -> list[str]:
@@ -252,6 +269,8 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
             problems.append("hybrid_sharding_config shifts NxD's up clamp twice (+2); not supported")
         if nc.cp_degree > 1 or nc.attention_dp_degree > 1:
             problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
+        if nc.enable_fused_speculation:
+            problems += fused_problems(nc)
         if nc.speculation_length and nc.async_mode:
             problems.append("speculation_length (a draft) with async mode: not yet; the host accepts each verify "
                             "step's drafts before the next")

@@ -110,7 +110,8 @@ class NeuronMiniMaxM3Model(nxd_compat.OnDeviceSamplingHook, NeuronBaseModel):
             # for a one-token prompt without one (vllm-neuron passes none), hence at least one token.
             self._last_real = attention_mask.sum(dim=1).clamp(min=1) - 1
         outputs = super().forward(input_ids, attention_mask, position_ids, *args, **kwargs)
-        if self.aux_layers:  # after the caches: NxDI's cache aliasing counts from the front
+        if self.aux_layers and not self.neuron_config.enable_eagle_speculation:  # after the caches (NxDI's cache
+            # aliasing counts from the front); in fused speculation NxDI's own EAGLE3 outputs carry them
             outputs = list(outputs) + [torch.cat([self._aux.pop(j) for j in self.aux_layers], dim=-1)]
         return outputs
 
@@ -119,12 +120,23 @@ class NeuronMiniMaxM3Model(nxd_compat.OnDeviceSamplingHook, NeuronBaseModel):
         prompt (position 0) would get a padding slot's logits; the row's last real token is gathered here and
         NxDI's own gather skipped (``sliced_hidden``, as after its sequence-parallel gather)."""
         hidden, cache = super().get_model_output(*args, **kwargs)
+        if self.neuron_config.is_eagle3 and self.aux_layers:
+            hidden = self.eagle3_states(hidden)
         last = getattr(self, "_last_real", None)
         if last is not None and kwargs.get("is_for_context_encoding") and hidden.shape[1] > 1:
             index = last.to(torch.long).view(-1, 1, 1).expand(hidden.shape[0], 1, hidden.shape[2])
             hidden = torch.gather(hidden, dim=1, index=index)
             self.sliced_hidden = True
         return hidden, cache
+
+    def eagle3_states(self, hidden):
+        """NxDI's EAGLE3 target layout ``[B, S, 4H]`` (the three draft states, then the normed final state;
+        ``full_hidden_states`` the first three) with the states of the draft's own aux layer ids, which NxDI fixes
+        at the outputs of layers ``1, L // 2 - 1, L - 4`` (``NeuronBaseModel.get_model_output``, NxDI 0.9): the
+        residual stream entering each of ``self.aux_layers`` (vLLM's ids; equal to NxDI's for its default)."""
+        states = torch.cat([self._aux.pop(j) for j in self.aux_layers], dim=-1)
+        self.full_hidden_states = states
+        return torch.cat([states, hidden[..., -self.hidden_size:]], dim=-1)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """NxDI's CPU mode loads the sharded state dict with ``strict=False`` (after NxD's preshard hooks and
@@ -324,7 +336,7 @@ class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCau
 
         nc = self.neuron_config
         if nc.skip_sharding or not nc.save_sharded_checkpoint or nc.lora_config is not None \
-                or nxd_compat.layout_transformation_requested():
+                or nc.enable_fused_speculation or nxd_compat.layout_transformation_requested():
             return super().shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
         from .sharded import write_sharded
 
@@ -341,6 +353,8 @@ class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCau
         if bad:
             raise CheckpointError([f"{k}: {sd[k].dtype}, must stay float32 (keep_fp32 in the rule table)"
                                    for k in bad], source=f"converted state dict (rule table: {RULES})")
+        if self.neuron_config.enable_fused_speculation:  # the draft's keys too, each model under its prefix
+            sd = nxd_compat.fused_state_dict(self.config.fused_spec_config, sd)
         return sd
 
     # Per-submodel compiler arguments as NxDI's Qwen3-MoE sets them (models/qwen3_moe/modeling_qwen3_moe.py:503-543,

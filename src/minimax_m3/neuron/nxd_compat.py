@@ -53,12 +53,36 @@ def _to_cpu(app) -> None:
     anything; the flag is read there only (the submodels were built with their own configs in ``__init__``), so a
     build with the speculation graph is loaded with it hidden for the call. Copying the caches back after a call is
     :class:`SpeculationOutputs`' part."""
+    from unittest import mock
+
+    from neuronx_distributed_inference.models import application_base
+
     spec = app.neuron_config.speculation_length
     app.neuron_config.speculation_length = 0
-    try:
-        app.to_cpu()
-    finally:
-        app.neuron_config.speculation_length = spec
+    with ExitStack() as stack:
+        fused = getattr(app.config, "fused_spec_config", None) if app.neuron_config.enable_fused_speculation else None
+        if fused is not None:
+            # on device NxD builds the draft's process group (application_base.init_custom_process_group_fn, given
+            # to NxD's ModelBuilder); CPU mode builds the models right after initialize_model_parallel: add it there
+            init = application_base.initialize_model_parallel
+
+            def init_with_draft_group(*args, **kwargs):
+                init(*args, **kwargs)
+                application_base.init_custom_process_group_fn(app.config)
+
+            stack.enter_context(mock.patch.object(application_base, "initialize_model_parallel", init_with_draft_group))
+        try:
+            app.to_cpu()
+        finally:
+            app.neuron_config.speculation_length = spec
+    if fused is not None:
+        # on device each context-encoding bucket is traced with n_positions = the bucket (ModelWrapper.get); CPU mode
+        # runs one module whose n_positions is the cache length, and NxDI's draft builds its prefill mask from it
+        app.context_encoding_model.model.register_forward_pre_hook(_prefill_positions)
+
+
+def _prefill_positions(module, args):
+    module.n_positions = args[0].shape[-1]  # the padded input_ids: the bucket
 
 
 # ---- the KV group (sequence-sharded caches) ----------------------------------------------------------------------
@@ -197,6 +221,42 @@ class OnDeviceSamplingHook:
         return super()._sample_on_device(logits, sampling_params, is_for_speculation, is_for_context_encoding)
 
 
+def fused_state_dict(fused, target: dict) -> dict:
+    """A fused-speculation build's state dict: the draft's (its class's ``get_state_dict`` over the draft path) under
+    ``draft_model.``, the target's ``target`` under ``target_model.``.
+
+    Targets NxDI 0.9 (``models/application_base.py``: ``checkpoint_loader_fn`` sets the draft class's
+    ``_FUSED_PREFIX`` to ``draft_model`` and calls its ``get_state_dict``, which adds it; the port's own loader keeps
+    the target's float32 keys, so it composes the two here the same way)."""
+    cls = fused.draft_model_cls
+    cls._FUSED_PREFIX = "draft_model"
+    return {**cls.get_state_dict(fused.draft_model_path, fused.draft_config),
+            **{f"target_model.{k}": v for k, v in target.items()}}
+
+
+def with_fused_prefix(cls, sd: dict) -> dict:
+    """``sd`` under ``cls._FUSED_PREFIX`` when NxDI's fused loader set one, for a class that overrides
+    ``get_state_dict``.
+
+    Targets NxDI 0.9 (``models/application_base.py``: ``NeuronApplicationBase.get_state_dict`` adds the prefix as
+    its last step)."""
+    prefix = getattr(cls, "_FUSED_PREFIX", "")
+    return {f"{prefix}.{k}": v for k, v in sd.items()} if prefix else sd
+
+
+def cpu_argmax(logits: torch.Tensor, group) -> torch.Tensor:
+    """``[B, S]`` int32: the argmax over the vocabulary of logits sharded over ``group`` (vocabulary-parallel, as
+    an LM head without gather_output leaves them), in CPU mode.
+
+    Targets NxDI 0.9 (``models/model_base.py``: ``NeuronBaseModel._sample_on_device``): an EAGLE draft's greedy token
+    is NxD's distributed ``argmax`` operator, a device kernel; CPU mode gathers the shards over gloo instead."""
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        from neuronx_distributed.parallel_layers.mappings import _gather_along_dim
+
+        logits = _gather_along_dim(logits, partition_dim=2, process_group=group)
+    return torch.argmax(logits, dim=2).to(torch.int32)
+
+
 class SpeculationOutputs:
     """Mixin for the application (``NeuronBaseForCausalLM``): the outputs of a build with the speculation graph
     (``speculation_length > 0``: context encoding + speculation, no one-token graph) and of a traced model that
@@ -208,9 +268,11 @@ class SpeculationOutputs:
     build and a trailing state output is not a cache. Here the caches go to every submodel's cache manager and the
     states to the output's ``aux_states``; on device NxDI keeps the aliased caches and returns the rest."""
 
+    FUSED_OUTPUTS = 4  # NxDI's fused model: accepted tokens, next input ids, next attention mask, next positions
+
     def _copy_past_key_values(self, outputs):
         if self.neuron_config.enable_fused_speculation:
-            return super()._copy_past_key_values(outputs)
+            return self._copy_fused_states(outputs[self.FUSED_OUTPUTS:])
         first = 1 + (1 if self.neuron_config.output_logits and self.neuron_config.on_device_sampling_config else 0)
         if self.neuron_config.tensor_capture_config:
             first += self.neuron_config.tensor_capture_config.get_offset()
@@ -219,7 +281,23 @@ class SpeculationOutputs:
             for i, cache in enumerate(caches):
                 wrapper.model.kv_mgr.past_key_values[i].data = cache
 
+    def _copy_fused_states(self, states):
+        """CPU mode, fused speculation: the draft's caches, the target's, then the rolling buffer of target states
+        (NxDI's order after its four outputs), into every submodel. NxDI's own copy reads attributes its model
+        wrappers do not have in CPU mode (NxDI 0.9 ``_copy_past_key_values``)."""
+        for wrapper in self.models:
+            m = wrapper.model
+            draft, target = m.draft_model.kv_mgr.past_key_values, m.target_model.kv_mgr.past_key_values
+            if len(states) != len(draft) + len(target) + 1:
+                raise RuntimeError(f"fused speculation returned {len(states)} states, expected {len(draft)} draft "
+                                   f"caches + {len(target)} target caches + the rolling buffer")
+            for param, value in zip([*draft, *target, m.hidden_state_rolling_buffer.hidden_states], states):
+                param.data = value
+
     def _get_constructed_outputs(self, outputs, is_run_on_neuron):
+        if self.neuron_config.enable_fused_speculation and not is_run_on_neuron:
+            # as on device (the states stay aliased there): fused_outputs = NxDI's four outputs
+            return self._construct_output(list(outputs[:self.FUSED_OUTPUTS]))
         aux = None
         if self.config.aux_hidden_layers:  # on device: [tokens or logits, states] (the caches stay aliased)
             outputs, aux = list(outputs[:-1]), outputs[-1]

@@ -38,6 +38,14 @@ from .build import application, inference_config
 from .model import NeuronMiniMaxM3ForCausalLM
 from .nxd_compat import to_cpu
 
+def _tokens(out) -> torch.Tensor:
+    """The token ids a call chose ``[B, n]``: NxDI's ``tokens``, or a fused-speculation build's accepted tokens
+    (the first of its ``fused_outputs``, ``-1`` after each row's last)."""
+    fused = getattr(out, "fused_outputs", None)
+    tokens = fused[0] if fused is not None else out.tokens
+    return tokens.reshape(tokens.shape[0], -1)
+
+
 class NeuronProvider:
     """Prefill and decode steps of an NxDI application (compiled, or ``to_cpu()``), for the one generation loop."""
 
@@ -89,7 +97,7 @@ class NeuronProvider:
         out = self.app(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=seq_ids,
                        **self._sampling_params(len(rows)))
         self._states = getattr(out, "aux_states", None)  # a draft's target states, every position (with a draft)
-        tokens = out.tokens.reshape(-1) if self.odsc is not None else None
+        tokens = _tokens(out)[:, 0] if self.odsc is not None else None
         if getattr(out, "logits", None) is None:
             return [None] * len(rows), tokens
         logits = out.logits.float()
@@ -204,12 +212,42 @@ class SpeculativeNeuronProvider(HostDrafter, NeuronProvider):
                 for r, toks in zip(slots, tokens)]
 
 
+class FusedNeuronProvider(NeuronProvider):
+    """A :class:`NeuronProvider` of a fused-speculation build (``neuron.eagle``: the EAGLE3 draft inside the graph):
+    ``speculate`` is ONE call of NxDI's fused graph for every cache row, which drafts ``k`` tokens, verifies them
+    with the target, accepts on the device and returns each row's emitted tokens (the accepted drafts and the
+    target's token after them). The loop's other steps are :class:`NeuronProvider`'s (a prefill also primes the
+    draft: NxDI runs both models' context encoding). As with the host drafter a step may write up to ``k``
+    positions past the last token: ``max_seq_len`` is the cache length less ``k``."""
+
+    def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config):
+        super().__init__(app, config)
+        self.speculative_tokens = app.neuron_config.speculation_length - 1
+        self.max_seq_len = self.max_seq_len - self.speculative_tokens
+
+    @torch.no_grad()
+    def speculate(self, slots: list[int], lasts: list[int], positions: list[int]) -> list[list[int]]:
+        """Per row: the tokens after ``lasts[i]`` (at ``positions[i]``) that one fused step emits (1 to ``k + 1``).
+        Idle rows run a dummy step at position 1 of their own row (never 0: prefill)."""
+        feed, pos = torch.zeros(self.max_batch, dtype=torch.long), torch.ones(self.max_batch, dtype=torch.long)
+        feed[slots], pos[slots] = torch.tensor(lasts), torch.tensor(positions)
+        out = self.app(input_ids=feed.view(-1, 1), position_ids=pos.view(-1, 1), seq_ids=torch.arange(self.max_batch),
+                       **self._sampling_params(self.max_batch))
+        accepted = _tokens(out).tolist()
+        return [[t for t in accepted[r] if t >= 0] for r in slots]
+
+
 class NeuronEngine(Engine):
     """The generation loop over a :class:`NeuronProvider` (``engine.app`` is the NxDI application)."""
 
     def __init__(self, app: NeuronMiniMaxM3ForCausalLM, config: M3Config, spec: EngineSpec | None = None,
                  drafter=None):
-        provider = NeuronProvider(app, config) if drafter is None else SpeculativeNeuronProvider(app, config, drafter)
+        if app.neuron_config.enable_fused_speculation:
+            provider = FusedNeuronProvider(app, config)
+        elif drafter is not None:
+            provider = SpeculativeNeuronProvider(app, config, drafter)
+        else:
+            provider = NeuronProvider(app, config)
         super().__init__(provider, spec)
         self.app = app
 
@@ -225,7 +263,7 @@ def load(spec: EngineSpec, config: M3Config, compile_missing: bool = True, draft
     again): NxDI's CPU mode (``neuron-cpu``), or the NEFFs at ``spec.artifact_dir()`` (compiled there first when
     missing and ``compile_missing``). With ``spec.draft``, ``drafter`` drafts on the host (an
     :class:`~minimax_m3.reference.eagle3.Eagle3Drafter`: ``minimax_m3.load_engine`` builds it)."""
-    if spec.draft and drafter is None:
+    if spec.draft and drafter is None and not spec.fused_speculation:
         raise EngineInputError(f"a spec with a draft ({spec.draft}) needs its drafter: load it with "
                                "minimax_m3.load_engine, which builds the host drafter")
     spec = spec.validate(config)

@@ -37,8 +37,11 @@ WIDTH = 3 + SEED_COLUMNS
 
 
 def on_device_sampling_config(do_sample: bool = True, global_topk: int = 256, **kw) -> OnDeviceSamplingConfig:
-    """NxDI's config for this sampler: per-request parameters (``dynamic``), sampling among ``global_topk``."""
-    return OnDeviceSamplingConfig(do_sample=do_sample, dynamic=do_sample, global_topk=global_topk, **kw)
+    """NxDI's config for this sampler: per-request parameters (``dynamic``, default ``do_sample``), sampling among
+    ``global_topk``. A fused-speculation build passes ``do_sample=False, dynamic=True``: NxDI's fused model then
+    takes the target's chosen tokens as they are (greedy acceptance) and this sampler draws them, seeded."""
+    kw.setdefault("dynamic", do_sample)
+    return OnDeviceSamplingConfig(do_sample=do_sample, global_topk=global_topk, **kw)
 
 
 def params(rows: Sequence[tuple[int, float, float, int | None]], global_topk: int) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""The EAGLE3 draft inside the device graph: NxDI's fused speculation (``enable_fused_speculation`` with
+``enable_eagle_speculation`` and ``is_eagle3``) over the M3 target.
+
+NxDI runs one graph per step for every row: ``speculation_length - 1`` draft steps (NxDI's Llama EAGLE3 draft
+layer, ``models/llama/modeling_llama.py``), the target's verify of ``speculation_length`` tokens at once (the port's
+sharded verify step), the draft's catch-up over the verified tokens, and the greedy acceptance (a draft is kept while
+it equals the token the target chose after the previous one: with the port's seeded sampler that is the target's own
+seeded draw, so the output equals plain decoding's token for token). It returns the accepted tokens (``-1``-padded)
+and each row's next position. NxDI 0.9, ``models/model_base.py``: ``NeuronFusedSpecModel``.
+
+What the port adds to NxDI's draft (:class:`M3Eagle3DraftModel`, :class:`M3Eagle3DraftForCausalLM`):
+
+* the draft's tensors from this package's EAGLE3 checkpoints (``checkpoint.draft``: either published config form,
+  ``midlayer.`` or ``layers.0.`` naming; the embedding and lm_head a draft stores none of, from the target);
+* a reduced draft vocabulary (``d2t``), which NxDI's draft does not know: the ``[Vd, H]`` lm_head is placed at its
+  target ids in a ``[V, H]`` head whose bias is the dtype's lowest value off the draft vocabulary, so NxDI's argmax
+  over the target vocabulary picks the draft's own argmax, as a target id. Cost: the head reads ``V x H`` instead of
+  ``Vd x H`` per draft step (written down in docs/speculative.md).
+
+The target's side (its three states at the draft's aux layer ids in NxDI's EAGLE3 layout) is
+``model.NeuronMiniMaxM3Model.get_model_output``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint.draft import DraftError, open_draft, target_shared
+from ..config.draft import DraftConfig
+from ..config.m3 import M3Config
+from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
+from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig, NeuronConfig
+from neuronx_distributed_inference.models.llama.modeling_llama import (LlamaInferenceConfig, NeuronLlamaForCausalLM,
+                                                                       NeuronLlamaModel)
+from neuronx_distributed_inference.utils.distributed import get_tp_group
+
+from . import nxd_compat
+from .sampling import on_device_sampling_config
+
+# canonical draft key (checkpoint.draft) -> NxDI's Llama EAGLE3 draft key, where they differ: the names NxDI's GQA
+# modules register (as the target's rule table, checkpoint.nxdi_rules), then the layer prefix
+_KEYS = {**{f"layer.self_attn.{n}.weight": f"layer.self_attn.qkv_proj.{n}.weight" for n in ("q_proj", "k_proj",
+                                                                                           "v_proj")},
+         "layer.self_attn.o_proj.weight": "layer.self_attn.o_proj.o_proj.weight"}
+
+
+def nxdi_key(canonical: str) -> str:
+    key = _KEYS.get(canonical, canonical)
+    return "layers.0." + key[len("layer."):] if key.startswith("layer.") else key
+
+
+def fused_problems(dc: DraftConfig, target: M3Config) -> list[str]:
+    """What NxDI's EAGLE3 draft cannot run of ``dc`` (its fixed layout: one layer, the residual before
+    ``hidden_norm``, the target's hidden size)."""
+    out = []
+    if dc.num_layers != 1:
+        out.append(f"a {dc.num_layers}-layer draft: NxDI's EAGLE3 draft has one decoder layer")
+    if dc.norm_before_residual:
+        out.append("norm_before_residual: NxDI's EAGLE3 draft adds the residual before hidden_norm; use the "
+                   "reference backend or the host drafter (drop --fused-speculation)")
+    if dc.hidden_size != target.hidden_size:
+        out.append(f"draft hidden_size {dc.hidden_size} != the target's {target.hidden_size}: NxDI's EAGLE3 draft "
+                   "feeds the target's states through an fc of its own width")
+    return out
+
+
+class M3Eagle3DraftModel(nxd_compat.OnDeviceSamplingHook, NeuronLlamaModel):
+    """NxDI's EAGLE3 draft model; with a reduced draft vocabulary its lm_head is full-vocabulary with a bias that
+    keeps the argmax on the draft's tokens (module docstring)."""
+
+    def sample_on_device(self, logits, sampling_params, is_for_context_encoding):
+        """The draft's greedy token: NxDI's own step (NxD's distributed argmax) on device, the gathered argmax in
+        CPU mode (``nxd_compat.cpu_argmax``)."""
+        return nxd_compat.cpu_argmax(logits, get_tp_group(self.config)) if self.neuron_config.on_cpu else None
+
+    def init_model(self, config):
+        super().init_model(config)
+        if (getattr(config, "draft_vocab_size", None) or config.vocab_size) < config.vocab_size:
+            self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=True,
+                                                gather_output=not self.on_device_sampling,
+                                                dtype=config.neuron_config.torch_dtype, pad=True,
+                                                tensor_model_parallel_group=get_tp_group(config))
+
+
+class M3Eagle3DraftForCausalLM(NeuronLlamaForCausalLM):
+    """The draft's NxDI application class: only its state dict is ever used (NxDI's fused loader calls
+    :meth:`get_state_dict` with the draft's path and config; ``_model_cls`` builds the traced draft)."""
+
+    _model_cls = M3Eagle3DraftModel
+
+    @classmethod
+    def get_state_dict(cls, model_name_or_path: str, config) -> dict:
+        target = M3Config.from_fields(config.m3)
+        dc, tensors = open_draft(model_name_or_path, target)
+        tensors.update(target_shared(dc, tensors, config.target_path, target))
+        sd = draft_state_dict(dc, tensors, config.neuron_config.torch_dtype)
+        return nxd_compat.with_fused_prefix(cls, cls.convert_hf_to_neuron_state_dict(sd, config))
+
+
+def draft_state_dict(dc: DraftConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+    """NxDI's EAGLE3 draft state dict (before its own conversion) from the draft's canonical tensors with the shared
+    ones filled in: a reduced vocabulary's lm_head placed at its target ids, with the masking bias."""
+    sd = {nxdi_key(k): v.to(dtype) for k, v in tensors.items() if k not in ("d2t", "t2d", "lm_head.weight")}
+    head = tensors.get("lm_head.weight", tensors["embed_tokens.weight"])
+    if dc.draft_vocab_size < dc.vocab_size:
+        ids = torch.arange(dc.draft_vocab_size) + tensors["d2t"].long()
+        full = torch.zeros(dc.vocab_size, head.shape[1], dtype=dtype)
+        full[ids] = head.to(dtype)
+        bias = torch.full((dc.vocab_size,), torch.finfo(dtype).min, dtype=dtype)
+        bias[ids] = 0
+        sd["lm_head.weight"], sd["lm_head.bias"] = full, bias
+    else:
+        sd["lm_head.weight"] = head.to(dtype)
+    return sd
+
+
+def draft_inference_config(dc: DraftConfig, target_cfg, target_path: str, **neuron_kw):
+    """NxDI's Llama config of the draft inside a fused build of ``target_cfg`` (the target's inference config, its
+    checkpoint at ``target_path``, whose embedding and lm_head a draft may share):
+    the target's batch, lengths, buckets, dtype and TP; greedy draft sampling (NxDI forces it); no KV tiling."""
+    nc = target_cfg.neuron_config
+    kw = dict(tp_degree=nc.tp_degree, batch_size=nc.batch_size, ctx_batch_size=nc.ctx_batch_size,
+              tkg_batch_size=nc.tkg_batch_size, max_batch_size=nc.max_batch_size,
+              is_continuous_batching=nc.is_continuous_batching, seq_len=nc.seq_len,
+              max_context_length=nc.max_context_length, torch_dtype=nc.torch_dtype, padding_side="right",
+              on_cpu=nc.on_cpu, enable_bucketing=True, context_encoding_buckets=nc.context_encoding_buckets,
+              token_generation_buckets=nc.token_generation_buckets,
+              enable_eagle_speculation=True, is_eagle_draft=True, is_eagle3=True,
+              enable_eagle_draft_input_norm=True, speculation_length=nc.speculation_length,
+              disable_kv_cache_tiling=True, logical_nc_config=nc.logical_nc_config)
+    kw["on_device_sampling_config"] = on_device_sampling_config(do_sample=False)
+    if nc.on_cpu:
+        kw.update(attn_kernel_enabled=False, qkv_kernel_enabled=False, mlp_kernel_enabled=False)
+    kw.update(neuron_kw)
+    draft_nc = NeuronConfig(**kw)
+
+    def load(cfg) -> None:
+        fields = dict(hidden_size=dc.hidden_size, num_attention_heads=dc.num_heads,
+                      num_key_value_heads=dc.num_kv_heads, head_dim=dc.head_dim, num_hidden_layers=dc.num_layers,
+                      intermediate_size=dc.intermediate_size, vocab_size=dc.vocab_size,
+                      draft_vocab_size=dc.draft_vocab_size, rms_norm_eps=dc.rms_norm_eps, rope_theta=dc.rope_theta,
+                      rope_scaling=dc.rope_scaling, hidden_act=dc.hidden_act, pad_token_id=target_cfg.pad_token_id,
+                      max_position_embeddings=max(nc.seq_len, 1), tie_word_embeddings=False, fc_bias=False,
+                      m3=target_cfg.m3, target_path=str(target_path))
+        for k, v in fields.items():
+            setattr(cfg, k, v)
+
+    return LlamaInferenceConfig(draft_nc, load_config=load)
+
+
+def fused_spec_config(dc: DraftConfig, target: M3Config, target_cfg, target_path: str, draft_path: str, worker_cls):
+    """NxDI's ``FusedSpecNeuronConfig`` for the draft at ``draft_path`` over the target checkpoint at
+    ``target_path`` (one :class:`DraftError` when NxDI's draft cannot run it)."""
+    problems = fused_problems(dc, target)
+    if problems:
+        raise DraftError(problems, f"EAGLE3 draft {draft_path} (fused speculation)")
+    return FusedSpecNeuronConfig(worker_cls, draft_config=draft_inference_config(dc, target_cfg, target_path),
+                                 draft_model_path=str(draft_path), draft_model_cls=M3Eagle3DraftForCausalLM)
