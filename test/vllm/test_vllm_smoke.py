@@ -211,8 +211,9 @@ def test_vllm_serve_answers_a_completions_request(model, golden, tmp_path):
 
 
 @contextlib.contextmanager
-def vllm_serve(model, log_path, max_len, buckets, seqs=SEQS):
-    """``vllm serve`` of ``model`` (as ``m3-tiny``) on 127.0.0.1 in CPU mode; yields the port once it is healthy."""
+def vllm_serve(model, log_path, max_len, buckets, seqs=SEQS, extra=()):
+    """``vllm serve`` of ``model`` (as ``m3-tiny``) on 127.0.0.1 in CPU mode (``buckets``: more neuron config;
+    ``extra``: more command-line arguments); yields the port once it is healthy."""
     port = _free_port()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
     override = json.dumps({"override_neuron_config": {**CPU_MODE, **buckets}})
@@ -221,7 +222,7 @@ def vllm_serve(model, log_path, max_len, buckets, seqs=SEQS):
         [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port",
          str(port), "--dtype", "float32", "--tensor-parallel-size", "1", "--max-model-len", str(max_len),
          "--max-num-seqs", str(seqs), "--no-enable-prefix-caching", "--served-model-name", "m3-tiny",
-         "--additional-config", override], env=env, stdout=log, stderr=subprocess.STDOUT)
+         "--additional-config", override, *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 300
         while True:

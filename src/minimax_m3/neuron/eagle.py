@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.draft import DraftError, open_draft, target_shared
-from ..config.draft import DraftConfig
+from ..config.draft import DraftConfig, default_aux_layers, parse_draft_config
 from ..config.m3 import M3Config
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
 from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig, NeuronConfig
@@ -89,6 +89,10 @@ class M3Eagle3DraftForCausalLM(NeuronLlamaForCausalLM):
     _model_cls = M3Eagle3DraftModel
 
     @classmethod
+    def get_config_cls(cls):
+        return M3Eagle3DraftConfig
+
+    @classmethod
     def get_state_dict(cls, model_name_or_path: str, config) -> dict:
         target = M3Config.from_fields(config.m3)
         dc, tensors = open_draft(model_name_or_path, target)
@@ -114,25 +118,46 @@ def draft_state_dict(dc: DraftConfig, tensors: dict[str, torch.Tensor], dtype: t
     return sd
 
 
-def draft_inference_config(dc: DraftConfig, target_cfg, target_path: str, **neuron_kw):
-    """NxDI's Llama config of the draft inside a fused build of ``target_cfg`` (the target's inference config, its
-    checkpoint at ``target_path``, whose embedding and lm_head a draft may share):
-    the target's batch, lengths, buckets, dtype and TP; greedy draft sampling (NxDI forces it); no KV tiling."""
-    nc = target_cfg.neuron_config
+def draft_neuron_config(nc) -> NeuronConfig:
+    """NxDI's neuron config of the draft inside a fused build whose target has neuron config ``nc`` (the port's own,
+    or vllm-neuron's copy of it): the target's batch, lengths, buckets, dtype, TP and speculation length; greedy
+    draft sampling (NxDI forces it); NxDI's EAGLE3 draft layer with its input norms; no KV tiling."""
     kw = dict(tp_degree=nc.tp_degree, batch_size=nc.batch_size, ctx_batch_size=nc.ctx_batch_size,
               tkg_batch_size=nc.tkg_batch_size, max_batch_size=nc.max_batch_size,
               is_continuous_batching=nc.is_continuous_batching, seq_len=nc.seq_len,
               max_context_length=nc.max_context_length, torch_dtype=nc.torch_dtype, padding_side="right",
-              on_cpu=nc.on_cpu, enable_bucketing=True, context_encoding_buckets=nc.context_encoding_buckets,
-              token_generation_buckets=nc.token_generation_buckets,
-              enable_eagle_speculation=True, is_eagle_draft=True, is_eagle3=True,
-              enable_eagle_draft_input_norm=True, speculation_length=nc.speculation_length,
-              disable_kv_cache_tiling=True, logical_nc_config=nc.logical_nc_config)
-    kw["on_device_sampling_config"] = on_device_sampling_config(do_sample=False)
+              on_cpu=nc.on_cpu, enable_bucketing=nc.enable_bucketing,
+              context_encoding_buckets=nc.context_encoding_buckets,
+              token_generation_buckets=nc.token_generation_buckets, enable_eagle_speculation=True,
+              is_eagle_draft=True, is_eagle3=True, enable_eagle_draft_input_norm=True,
+              speculation_length=nc.speculation_length, disable_kv_cache_tiling=True,
+              logical_nc_config=nc.logical_nc_config,
+              on_device_sampling_config=on_device_sampling_config(do_sample=False))
     if nc.on_cpu:
         kw.update(attn_kernel_enabled=False, qkv_kernel_enabled=False, mlp_kernel_enabled=False)
-    kw.update(neuron_kw)
-    draft_nc = NeuronConfig(**kw)
+    return NeuronConfig(**kw)
+
+
+class M3Eagle3DraftConfig(LlamaInferenceConfig):
+    """NxDI's Llama config of the draft; a neuron config that is not a plain ``NeuronConfig`` (vllm-neuron's copy
+    of the target's, MoE fields and all) becomes :func:`draft_neuron_config`'s. ``draft_vocab_size`` defaults to the
+    vocabulary; ``m3`` / ``target_path`` (the target's parsed config and checkpoint, for the shared tensors) are set
+    by the port (``draft_inference_config``, or the target's loader under vLLM)."""
+
+    def __init__(self, neuron_config, *args, **kwargs):
+        if type(neuron_config) is not NeuronConfig:
+            neuron_config = draft_neuron_config(neuron_config)
+        super().__init__(neuron_config, *args, **kwargs)
+
+    def add_derived_config(self):
+        super().add_derived_config()
+        self.draft_vocab_size = getattr(self, "draft_vocab_size", None) or self.vocab_size
+
+
+def draft_inference_config(dc: DraftConfig, target_cfg, target_path: str):
+    """The draft's config inside a fused build of ``target_cfg`` (the target's inference config, its checkpoint at
+    ``target_path``, whose embedding and lm_head a draft may share)."""
+    nc = target_cfg.neuron_config
 
     def load(cfg) -> None:
         fields = dict(hidden_size=dc.hidden_size, num_attention_heads=dc.num_heads,
@@ -145,7 +170,20 @@ def draft_inference_config(dc: DraftConfig, target_cfg, target_path: str, **neur
         for k, v in fields.items():
             setattr(cfg, k, v)
 
-    return LlamaInferenceConfig(draft_nc, load_config=load)
+    return M3Eagle3DraftConfig(draft_neuron_config(nc), load_config=load)
+
+
+def aux_layers(config) -> tuple[int, ...]:
+    """The target layers a fused build's draft reads (vLLM's ids): the inference config's ``aux_hidden_layers`` (the
+    port's builds), else the draft config's ``eagle_aux_hidden_state_layer_ids`` as vLLM reads them (vllm-neuron
+    builds the draft config from its config.json), else vLLM's default."""
+    if getattr(config, "aux_hidden_layers", None):
+        return tuple(config.aux_hidden_layers)
+    draft = config.fused_spec_config.draft_config
+    raw = {k: v for k, v in vars(draft).items() if not k.startswith("_") and k != "neuron_config"}
+    dc, _ = parse_draft_config(raw)
+    return dc.aux_layers(config.num_hidden_layers) if dc is not None else \
+        default_aux_layers(config.num_hidden_layers)
 
 
 def fused_spec_config(dc: DraftConfig, target: M3Config, target_cfg, target_path: str, draft_path: str, worker_cls):

@@ -90,6 +90,10 @@ class NeuronMiniMaxM3Model(nxd_compat.OnDeviceSamplingHook, NeuronBaseModel):
         # a draft's target states (EAGLE3): the residual stream entering each of these layers, every position of
         # the call, concatenated in ascending order as one more output after the caches (``aux_states``)
         self.aux_layers = tuple(sorted(getattr(config, "aux_hidden_layers", None) or ()))
+        if config.neuron_config.is_eagle3 and getattr(config, "fused_spec_config", None) is not None:
+            from .eagle import aux_layers  # a fused build vllm-neuron configured: the draft's config.json ids
+
+            self.aux_layers = tuple(sorted(aux_layers(config)))
         self._aux = {}
         for j in self.aux_layers:
             self.layers[j].register_forward_pre_hook(self._keep_aux(j), with_kwargs=True)
@@ -354,7 +358,11 @@ class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCau
             raise CheckpointError([f"{k}: {sd[k].dtype}, must stay float32 (keep_fp32 in the rule table)"
                                    for k in bad], source=f"converted state dict (rule table: {RULES})")
         if self.neuron_config.enable_fused_speculation:  # the draft's keys too, each model under its prefix
-            sd = nxd_compat.fused_state_dict(self.config.fused_spec_config, sd)
+            fused = self.config.fused_spec_config
+            for name, value in (("m3", self.config.m3), ("target_path", nxd_compat.checkpoint_path(self))):
+                if not getattr(fused.draft_config, name, None):  # vllm-neuron's draft config: from config.json only
+                    setattr(fused.draft_config, name, value)
+            sd = nxd_compat.fused_state_dict(fused, sd)
         return sd
 
     # Per-submodel compiler arguments as NxDI's Qwen3-MoE sets them (models/qwen3_moe/modeling_qwen3_moe.py:503-543,

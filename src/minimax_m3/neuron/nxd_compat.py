@@ -79,6 +79,23 @@ def _to_cpu(app) -> None:
         # on device each context-encoding bucket is traced with n_positions = the bucket (ModelWrapper.get); CPU mode
         # runs one module whose n_positions is the cache length, and NxDI's draft builds its prefill mask from it
         app.context_encoding_model.model.register_forward_pre_hook(_prefill_positions)
+        for wrapper in app.models:
+            wrapper.model.kv_mgr = _FusedStateSink(wrapper.model)
+
+
+class _FusedStateSink:
+    """CPU mode, fused speculation: where NxDI's ModelWrapper writes the states of a call it padded to the compiled
+    batch (NxDI 0.9 ``models/model_wrapper.py`` ``ModelWrapper.forward``: ``logits, *kv_caches = outputs`` then
+    ``self.model.kv_mgr.past_key_values[i].data = ...``; a fused model has no cache manager): the three fused outputs
+    after the first are dropped, then the draft's caches, the target's and the rolling buffer
+    (:meth:`SpeculationOutputs._copy_fused_states`' order)."""
+
+    def __init__(self, model):
+        from types import SimpleNamespace
+
+        self.past_key_values = [SimpleNamespace(data=None) for _ in range(SpeculationOutputs.FUSED_OUTPUTS - 1)] + [
+            *model.draft_model.kv_mgr.past_key_values, *model.target_model.kv_mgr.past_key_values,
+            model.hidden_state_rolling_buffer.hidden_states]
 
 
 def _prefill_positions(module, args):
@@ -294,10 +311,20 @@ class SpeculationOutputs:
             for param, value in zip([*draft, *target, m.hidden_state_rolling_buffer.hidden_states], states):
                 param.data = value
 
+    def forward(self, *args, **kwargs):
+        self._call_seq_ids = kwargs.get("seq_ids")  # the rows of a call NxDI pads to the compiled batch (below)
+        return super().forward(*args, **kwargs)
+
     def _get_constructed_outputs(self, outputs, is_run_on_neuron):
         if self.neuron_config.enable_fused_speculation and not is_run_on_neuron:
-            # as on device (the states stay aliased there): fused_outputs = NxDI's four outputs
-            return self._construct_output(list(outputs[:self.FUSED_OUTPUTS]))
+            # as on device (the states stay aliased there): fused_outputs = NxDI's four outputs, each of the call's
+            # rows (NxDI's CPU path selects them in the first output only when it padded the batch)
+            fused = list(outputs[:self.FUSED_OUTPUTS])
+            rows = fused[0].shape[0]
+            if any(o.shape[0] != rows for o in fused):
+                seq_ids = self._call_seq_ids.reshape(-1).to(torch.long)
+                fused = [o if o.shape[0] == rows else torch.index_select(o, 0, seq_ids) for o in fused]
+            return self._construct_output(fused)
         aux = None
         if self.config.aux_hidden_layers:  # on device: [tokens or logits, states] (the caches stay aliased)
             outputs, aux = list(outputs[:-1]), outputs[-1]

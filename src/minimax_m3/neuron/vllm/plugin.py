@@ -6,6 +6,8 @@ vLLM and the Neuron SDK importable it
 * registers the port with NxDI's ``MODEL_TYPES`` under ``"minimaxm3sparse"`` / ``"causal-lm"``, the key
   vllm-neuron derives from the release's architecture names (``MiniMaxM3SparseForConditionalGeneration`` and
   ``...ForCausalLM``: the part before "For", lowercased; ``ConditionalGeneration`` read as ``CausalLM``);
+* registers the port's EAGLE3 draft (``neuron.eagle``) under ``"llama"`` / ``"causal-lm-eagle3"``, the key of the
+  published drafts' architecture ``LlamaForCausalLMEagle3``, for ``--speculative-config`` (NxDI's fused speculation);
 * registers those architectures with vLLM's ``ModelRegistry`` (:class:`VllmArchitectureStub`: vLLM only inspects
   it; vllm-neuron builds the NxDI model instead);
 * makes both config.json forms loadable under the transformers vLLM pins (< 5, which has no ``minimax_m3_vl``):
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("MiniMaxM3SparseForConditionalGeneration", "MiniMaxM3SparseForCausalLM")
 NXDI_MODEL_KEY = ("minimaxm3sparse", "causal-lm")
+# vllm-neuron's key of an EAGLE3 draft's architecture (LlamaForCausalLMEagle3): the port's fused-speculation draft
+NXDI_DRAFT_KEY = ("llama", "causal-lm-eagle3")
 # the text fields vLLM (and vllm-neuron's _get_model_configs) read at the config's top level
 _TOP_LEVEL = {"hidden_size": "hidden_size", "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
               "head_dim": "head_dim", "num_hidden_layers": "num_layers", "vocab_size": "vocab_size",
@@ -71,10 +75,14 @@ def register() -> None:
 
 
 def register_nxdi_model() -> None:
+    from ..eagle import M3Eagle3DraftForCausalLM
     from ..model import NeuronMiniMaxM3ForCausalLM
 
+    types = nxdi_model_types()
     model, task = NXDI_MODEL_KEY
-    nxdi_model_types().setdefault(model, {})[task] = NeuronMiniMaxM3ForCausalLM
+    types.setdefault(model, {})[task] = NeuronMiniMaxM3ForCausalLM
+    model, task = NXDI_DRAFT_KEY  # vllm-neuron resolves a draft by its architecture; NxDI has no EAGLE3 class
+    types.setdefault(model, {}).setdefault(task, M3Eagle3DraftForCausalLM)
 
 
 def register_architectures() -> None:
