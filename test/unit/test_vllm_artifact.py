@@ -17,6 +17,7 @@ def _spec(**kw):
 def test_a_serving_spec_has_no_problem():
     assert serving_problems(_spec()) == []
     assert serving_problems(_spec(max_batch=1)) == []
+    assert serving_problems(_spec(draft="d", fused_speculation=True, on_device_sampling=True)) == []  # fused
 
 
 def test_what_vllm_neuron_would_build_differently_is_named_by_option():

@@ -119,6 +119,27 @@ def test_vllm_neuron_loads_what_compile_wrote_and_compiles_nothing(model, golden
     assert printed and "--max-num-seqs 4" in printed.group(0) and "--max-model-len 64" in printed.group(0)
 
 
+def test_vllm_neuron_loads_a_fused_speculation_artifact(model, golden, tmp_path):  # noqa: F811
+    """``compile --for-vllm --draft DIR --fused-speculation``: the artifact holds NxDI's fused config (the port's
+    draft class and the draft path); vLLM started with ``NEURON_COMPILED_ARTIFACTS`` and the printed
+    ``--speculative-config`` loads it (compiling nothing) and gives the golden greedy tokens."""
+    from minimax_m3.checkpoint.draft import write_synthetic_draft
+
+    draft = write_synthetic_draft(tmp_path / "draft", M3Config.from_pretrained(model), seed=1)
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "test.support.vllm.compile_then_generate", model,
+                           str(tmp_path / "art"), str(out), str(draft)], cwd=REPO, capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["branch"] == "precompiled" and report["fused"] and len(report["prompts"]) >= 4
+    assert report["tokens"] == [golden[i] for i in report["prompts"]]
+    saved = json.loads((tmp_path / "art" / "neuron_config.json").read_text())
+    assert saved["fused_spec_config"]["draft_model_cls"]["__name__"] == "M3Eagle3DraftForCausalLM"
+    printed = re.search(r"^vllm serve .*$", proc.stdout, re.M).group(0)
+    assert all(w in printed for w in ('"method": "eagle"', '"num_speculative_tokens": 4', '"is_eagle3": true'))
+
+
 @pytest.mark.parametrize("override", [{}, {"moe_ep_degree": 2, "context_encoding_buckets": [16, 64]},
                                       {"quantized": True, "quantization_dtype": "f8e4m3"}])
 @pytest.mark.parametrize("seqs", [1, 4])

@@ -326,6 +326,9 @@ class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCau
         (:func:`prefill_in_chunks`: the one chunk loop, for the engine's provider and vllm-neuron, which hands the
         model whole prompts), with the LM head's vocabulary padding (a multiple of TP, masked) sliced off."""
         kwargs.update(zip(FORWARD_ARGS, args))
+        pos = kwargs.get("position_ids")
+        if kwargs.get("attention_mask") is None and pos is not None and self._is_prefill(pos):
+            kwargs["attention_mask"] = nxd_compat.infer_attention_mask(self, pos)  # vllm-neuron's prefills: no mask
         out = prefill_in_chunks(self, super().forward, kwargs)
         vocab = self.config.vocab_size
         if getattr(out, "logits", None) is not None and out.logits.shape[-1] > vocab:

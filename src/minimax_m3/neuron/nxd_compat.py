@@ -157,11 +157,13 @@ class KVGroupOps:
 
 def infer_attention_mask(app, position_ids: torch.Tensor) -> torch.Tensor:
     """The attention mask NxDI infers for a call without one (vllm-neuron passes none): ``position_ids >= column``
-    style, from the positions.
+    style, from the positions; a one-token prompt's is ``[B, 1]`` of ones (NxDI's is ``[B, 0]``, which its fused
+    speculation reads as a prompt of length 0).
 
     Targets NxDI 0.9 (``models/model_base.py``: ``NeuronBaseForCausalLM._infer_attention_mask``, private, which its
     ``forward`` calls when ``attention_mask`` is None); the chunk loop slices it per call."""
-    return app._infer_attention_mask(position_ids)
+    mask = app._infer_attention_mask(position_ids)
+    return torch.ones_like(position_ids) if mask.shape[-1] == 0 else mask
 
 
 # ---- MoE ------------------------------------------------------------------------------------------------------

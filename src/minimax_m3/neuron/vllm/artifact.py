@@ -27,7 +27,8 @@ from ...engine.spec import EngineSpec, SpecError
 OVERRIDE_FIELDS = ("moe_ep_degree", "logical_nc_config", "context_encoding_buckets", "token_generation_buckets",
                    "attn_kernel_enabled", "qkv_kernel_enabled", "mlp_kernel_enabled", "save_sharded_checkpoint",
                    "on_cpu", "blockwise_matmul_config", "quantized", "quantization_type", "quantization_dtype",
-                   "quantized_checkpoints_path", "modules_to_not_convert", "prefill_chunk")
+                   "quantized_checkpoints_path", "modules_to_not_convert", "prefill_chunk", "is_eagle3",
+                   "disable_kv_cache_tiling")
 
 
 def serving_problems(spec: EngineSpec) -> list[str]:
@@ -41,9 +42,9 @@ def serving_problems(spec: EngineSpec) -> list[str]:
     if spec.max_context_len != spec.max_seq_len:
         out.append(f"--max-context-len {spec.max_context_len}: vllm-neuron sets the longest prompt to --max-model-len "
                    f"(--max-seq-len {spec.max_seq_len}); drop --max-context-len")
-    if spec.draft:
-        out.append("--draft: vllm-neuron serves a draft only through NxDI's fused speculation, which the port does not "
-                   "build yet (docs/speculative.md); drop --draft and --speculative-tokens")
+    if spec.draft and not spec.fused_speculation:
+        out.append("--draft without --fused-speculation: vllm-neuron serves a draft only through NxDI's fused "
+                   "speculation (docs/speculative.md); add --fused-speculation --on-device-sampling")
     return out
 
 
@@ -73,7 +74,9 @@ def serving_override(spec: EngineSpec) -> dict:
     from .defaults import vllm_neuron_config
 
     engine = _json_form(neuron_config(spec))
-    plain = _json_form(MiniMaxM3NeuronConfig(**vllm_neuron_config(**_flags(spec), override={})))
+    # (vllm-neuron's own fields of a fused build are refused without the EAGLE3 switches: compared without them)
+    plain = _json_form(MiniMaxM3NeuronConfig(**vllm_neuron_config(**{**_flags(spec), "speculative_tokens": None},
+                                                                  override={})))
     out = {}
     for k in OVERRIDE_FIELDS:
         mine, theirs = engine.get(k), plain.get(k)
@@ -86,7 +89,14 @@ def serving_override(spec: EngineSpec) -> dict:
 
 
 def _flags(spec: EngineSpec) -> dict:
-    return dict(tp=spec.tp, max_num_seqs=spec.max_batch, max_model_len=spec.max_seq_len, dtype=spec.dtype)
+    return dict(tp=spec.tp, max_num_seqs=spec.max_batch, max_model_len=spec.max_seq_len, dtype=spec.dtype,
+                speculative_tokens=_vllm_speculative_tokens(spec))
+
+
+def _vllm_speculative_tokens(spec: EngineSpec) -> int | None:
+    """vLLM's ``num_speculative_tokens`` for a fused spec: vllm-neuron hands it to NxDI as ``speculation_length``
+    (drafts + 1)."""
+    return spec.num_speculative_tokens + 1 if spec.fused_speculation else None
 
 
 def vllm_inference_config(spec: EngineSpec, override: dict):
@@ -100,7 +110,12 @@ def vllm_inference_config(spec: EngineSpec, override: dict):
     vllm_plugin.register_config()  # what the plugin does in vLLM's processes: config.json through AutoConfig
     kw = vllm_neuron_config(**_flags(spec), override=override)
     cls = MiniMaxM3InferenceConfig
-    return cls(cls.get_neuron_config_cls()(**kw), load_config=load_pretrained_config(spec.model))  # ServingError
+    cfg = cls(cls.get_neuron_config_cls()(**kw), load_config=load_pretrained_config(spec.model))  # ServingError
+    if spec.fused_speculation:  # as vllm-neuron's _init_fused_spec_config (no draft_overrides)
+        from ..eagle import vllm_fused_spec_config
+
+        cfg.fused_spec_config = vllm_fused_spec_config(cfg, spec.draft)
+    return cfg
 
 
 def serve_command(spec: EngineSpec, override: dict, path: str, name: str = "minimax-m3") -> str:
@@ -109,7 +124,14 @@ def serve_command(spec: EngineSpec, override: dict, path: str, name: str = "mini
             f"vllm serve {shlex.quote(str(spec.model))} --served-model-name {name} --dtype {spec.dtype} "
             f"--tensor-parallel-size {spec.tp} --max-model-len {spec.max_seq_len} --max-num-seqs {spec.max_batch} "
             f"--no-enable-prefix-caching --additional-config "
-            f"{shlex.quote(json.dumps({'override_neuron_config': override}))}")
+            f"{shlex.quote(json.dumps({'override_neuron_config': override}))}" + _speculative_flag(spec))
+
+
+def _speculative_flag(spec: EngineSpec) -> str:
+    if not spec.fused_speculation:
+        return ""
+    cfg = {"method": "eagle", "model": str(spec.draft), "num_speculative_tokens": _vllm_speculative_tokens(spec)}
+    return f" --speculative-config {shlex.quote(json.dumps(cfg))}"
 
 
 def compile_for_vllm(spec: EngineSpec, compiled: str | None = None) -> int:

@@ -16,10 +16,11 @@ _SCHEDULER_TOKENS = 131072
 
 
 def vllm_neuron_config(*, tp: int, max_num_seqs: int, max_model_len: int, dtype: str, override: dict,
-                       use_vllm_neuron: bool = True) -> dict:
+                       use_vllm_neuron: bool = True, speculative_tokens: int | None = None) -> dict:
     """The neuron config (keyword arguments of the port's ``NeuronConfig``) vllm-neuron 0.4.1 builds for
     ``vllm serve --tensor-parallel-size tp --max-num-seqs max_num_seqs --max-model-len max_model_len --dtype dtype
-    --no-enable-prefix-caching --additional-config '{"override_neuron_config": override}'``.
+    --no-enable-prefix-caching --additional-config '{"override_neuron_config": override}'`` (with
+    ``speculative_tokens``: and ``--speculative-config '{"method": "eagle", "num_speculative_tokens": n, ...}'``).
 
     Targets vllm-neuron 0.4.1 (``vllm_neuron/worker/neuronx_distributed_model_loader.py``: the private
     ``_get_default_neuron_config`` and ``_get_neuron_config_after_override``, its only path from the vLLM flags to
@@ -41,7 +42,7 @@ def vllm_neuron_config(*, tp: int, max_num_seqs: int, max_model_len: int, dtype:
             ns(block_size=max_model_len, num_gpu_blocks_override=None, enable_prefix_caching=False),
             ns(tensor_parallel_size=tp),
             ns(enable_chunked_prefill=False, max_num_seqs=max_num_seqs, max_num_batched_tokens=_SCHEDULER_TOKENS),
-            None, None)
+            None, None if speculative_tokens is None else ns(num_speculative_tokens=speculative_tokens, method="eagle"))
         return loader._get_neuron_config_after_override(d, override)
     from neuronx_distributed_inference.models.config import OnDeviceSamplingConfig
 
@@ -51,6 +52,8 @@ def vllm_neuron_config(*, tp: int, max_num_seqs: int, max_model_len: int, dtype:
          "on_device_sampling_config": OnDeviceSamplingConfig(dynamic=True, deterministic=False),
          "lora_config": None, "pa_num_blocks": max_num_seqs, "pa_block_size": max_model_len,
          "is_block_kv_layout": False, "is_prefix_caching": False}
+    if speculative_tokens is not None:  # NxDI's fused speculation, EAGLE
+        d.update(enable_fused_speculation=True, speculation_length=speculative_tokens, enable_eagle_speculation=True)
     d.update(override)
     if "quantized" in override:  # vllm-neuron fills the quantization fields it reads with its defaults
         d.update(quantized_checkpoints_path=override.get("quantized_checkpoints_path"),
