@@ -29,6 +29,8 @@ over the vocabulary padded to 64 x 3126; the draft's 48 heads over 64 ranks: NxD
   selected blocks), equal to its verify graph's figure for figure; no state copies;
 * the draft's state reads: each draft step attends over its rows' whole cache bucket (dense MHA): K and V
   ``[4, 1, 4096, 128]`` read 3 times; the rolling buffer of the target states, one ``3H`` state per row;
+* dot FLOPs: the target's as the verify step's; the draft's linear layers per call as above (2 x tokens x the
+  weight's elements), its attention over the bucket's 4096 keys and its own in each step;
 * the collectives, op by op (below).
 """
 
@@ -251,6 +253,15 @@ def test_fused_against_the_one_token_and_verify_steps(builds):
     print(f"  fused step weights {total:,} = {total / one['bytes_read']['weights']:.3f} x the one-token step's, "
           f"{total / (one['bytes_read']['weights'] + once):.3f} x (one-token + draft read once)")
     assert stored == 98_506_860 and once == 60_099_948
+    # FLOPs: the target's as the verify step's; the draft's written out (t tokens through an [n, m] weight: 2 t n m)
+    fv, ff = verify["flops"], fused["flops"]
+    assert (ff["routed_experts"], ff["indexer"]) == (fv["routed_experts"], fv["indexer"])
+    # each draft step: 4 queries of its one head over the bucket's 4096 keys and its own, QK and PV
+    assert ff["attention"] - fv["attention"] == (T - 1) * B * 2 * 2 * (BUCKET + 1) * 128 == 25_171_968
+    step = 2 * B * (3 * 2 * H * 128 + 128 * H + 3 * H * 192 + H * ROWS)  # q, k, v, o, MLP, lm_head
+    catch_up = 2 * B * T * (3 * H * COLS + 2 * 2 * H * 128)  # fc, k, v
+    rope = (T - 1) * 2 * B * 64 + 2 * B * T * 64  # the draft's RoPE angles (64 frequencies x positions)
+    assert ff["rest"] - fv["rest"] == (T - 1) * step + 2 * B * 3 * H * COLS + catch_up + rope == 849_448_448
     assert total == verify["bytes_read"]["weights"] + RANK_ID + 183_066_180
     # the excess over "target once + draft once" is the 2 more draft steps and the catch-up, nothing else
     assert total - (one["bytes_read"]["weights"] + once) == 183_066_180 - once + 12 * COLS * 2 + RANK_ID
