@@ -28,8 +28,9 @@ from ..errors import M3Error
 
 MANIFEST = "dry_run.json"
 REPORT = "graphs.json"
-SUBMODELS = ("context_encoding_model", "token_generation_model", "speculation_model")  # NxDI's tags
-STEPS = ("token_generation_model", "speculation_model")  # a step over the bucket's caches: decode, verify
+FUSED = "fused_speculation_model"  # NxDI's fused speculation: draft steps, the target's verify, acceptance
+SUBMODELS = ("context_encoding_model", "token_generation_model", "speculation_model", FUSED)  # NxDI's tags
+STEPS = ("token_generation_model", "speculation_model", FUSED)  # a step over the bucket's caches
 _CACHE_NAME = re.compile(r"past_key_values\.(\d+)$")
 
 
@@ -105,6 +106,14 @@ def _state_kind(name: str, ordinal: int, rank: int, cfg: M3Config) -> str:
     return "kv_sparse" if cfg.sparse_layers[n // 2] else "kv_dense"
 
 
+def _draft_part(role: str, name: str) -> str | None:
+    """A fused build's draft parameter (NxDI names the two models' ``draft_model.`` and ``target_model.``): its
+    weights, its K/V cache (``kv``), or the target states NxDI keeps for it (``states``: the rolling buffer)."""
+    if name.startswith("draft_model."):
+        return {"weight": "weights", "state": "kv"}.get(role)
+    return "states" if role == "state" and name.startswith("hidden_state_rolling_buffer.") else None
+
+
 def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
     try:
         module = hlo_schema.parse_module((root / g["hlo"]).read_bytes())
@@ -119,9 +128,16 @@ def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
     reads = dict.fromkeys(("weights",) + STATE_KINDS, 0)
     copies, copy_bytes = dict.fromkeys(STATE_KINDS, 0), dict.fromkeys(STATE_KINDS, 0)
     ordinal, notes, copy_ops = 0, list(a["notes"]), []
+    draft = dict.fromkeys(("weights", "kv", "states", "state_copies", "state_copy_bytes"), 0)
     for p in sorted(roles):
         role, name = roles[p]
-        if role == "weight":
+        part = _draft_part(role, name)
+        if part:  # a fused build's draft: apart from the target's figures (and the planner's minimum)
+            draft[part] += a["reads"].get(p, 0)
+            draft["state_copies"] += a["copies"].get(p, 0)
+            draft["state_copy_bytes"] += a["copy_bytes"].get(p, 0)
+            copy_ops += a["copy_ops"].get(p, [])
+        elif role == "weight":
             reads["weights"] += a["reads"].get(p, 0)
         elif role == "state" and p in params:
             kind = _state_kind(name, ordinal, len(params[p].dimensions), cfg)
@@ -147,6 +163,7 @@ def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
         "custom_calls": a["custom_calls"],
         "uncounted_custom_calls": a["uncounted_custom_calls"], "notes": notes,
         "params": g.get("params"), "trace_checks": g.get("trace_checks"),
+        **({"draft": draft} if any(_draft_part(*roles[p]) for p in roles) else {}),
     }
 
 
@@ -157,7 +174,10 @@ def kv_layout(man: dict) -> str:
 
 def row_tokens(man: dict, g: dict) -> int:
     """Tokens per row of a graph's call: the manifest's (``tokens``), else 1 for token generation, the build's
-    ``speculation_length`` for the speculation graph (``k + 1``), the bucket for context encoding."""
+    ``speculation_length`` for the speculation graph (``k + 1``), the bucket for context encoding. The fused graph
+    takes one token per row (the last accepted) and its target verifies ``speculation_length``: that."""
+    if g["submodel"] == FUSED:
+        return man.get("speculation_length") or 1
     if g.get("tokens"):
         return int(g["tokens"])
     return {"token_generation_model": 1, "speculation_model": man.get("speculation_length") or 1}.get(

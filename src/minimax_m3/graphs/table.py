@@ -57,6 +57,11 @@ def _rows(g: dict) -> list[tuple[str, float | None, float | None, str]]:
     for key in STATE_KINDS:
         rows.append((f"state copies: {key.replace('_', ' ')}", g["state_copies"][key], 0 if ab else None, ""))
     rows.append(("state copies: bytes written", sum(g["state_copy_bytes"].values()), 0 if ab else None, "B"))
+    for key, label in (("weights", "weights"), ("kv", "K/V"), ("states", "target states (rolling buffer)"),
+                       ("state_copies", "state copies"), ("state_copy_bytes", "state copies: bytes written")):
+        if "draft" in g:  # a fused build: the draft's own figures (no planner minimum: the target's only)
+            rows.append((f"draft: {label}" if key.startswith("state_c") else f"draft: bytes read: {label}",
+                         g["draft"][key], None, "" if key == "state_copies" else "B"))
     counts = collective_counts(g)
     for label in sorted(counts):
         graph, planner, name = counts[label]

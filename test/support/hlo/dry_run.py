@@ -9,6 +9,12 @@ The harness's own options (taken out before the CLI sees ``ARGS``; they are in t
 * ``--probe-chunks K,..``: each context-encoding bucket of C tokens is lowered again as the call of chunk ``k`` of a
   longer prompt (every position moved by ``k x C``) and compared with the first chunk's module (``trace_checks``:
   ``same_graph_at_chunks``), the proof that one graph serves every chunk (the start comes from ``position_ids``).
+
+A build with on-device sampling (``--on-device-sampling``, and every ``--fused-speculation`` build, target and draft)
+is traced with ``top_k_kernel_enabled=False``, and a fused build's draft with ``disable_argmax_kernel=True``: NxD's
+NKI top-k and max kernels have no stand-ins, so NxD's other distributed top-k (the ``TopK`` custom call,
+``scribe.TopK``) and argmax (``torch.max`` per rank) are lowered instead, as ``sampling_graph_dry_run`` does; on trn2
+NxDI's defaults (the kernels) apply. The model's weights, caches and collectives do not depend on them.
 """
 
 import sys
@@ -42,10 +48,35 @@ def set_kv_layout(layout: str) -> None:
     build.config_hook = config_hook
 
 
+def without_sampling_kernels() -> None:
+    """Every on-device sampling config the build makes (``neuron.sampling.on_device_sampling_config``, also as the
+    draft's module imported it) gets ``top_k_kernel_enabled=False``, the fused draft's neuron config
+    ``disable_argmax_kernel=True`` (module docstring)."""
+    from minimax_m3.neuron import eagle, sampling
+
+    draft_of = eagle.draft_neuron_config
+
+    def draft_neuron_config(nc):
+        out = draft_of(nc)
+        out.disable_argmax_kernel = True
+        return out
+
+    eagle.draft_neuron_config = draft_neuron_config
+
+    make = sampling.on_device_sampling_config
+
+    def on_device_sampling_config(*args, **kw):
+        kw.setdefault("top_k_kernel_enabled", False)
+        return make(*args, **kw)
+
+    sampling.on_device_sampling_config = eagle.on_device_sampling_config = on_device_sampling_config
+
+
 if __name__ == "__main__":
     args, layout = _take(sys.argv[1:], "--kv-layout")
     args, chunks = _take(args, "--probe-chunks")
     standins_trace.install()
+    without_sampling_kernels()
     if layout:
         set_kv_layout(layout)
     if chunks:

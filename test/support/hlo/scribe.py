@@ -155,3 +155,12 @@ class TopK:
     def apply(x, k, dim=-1):
         values, indices = torch.topk(x, k, dim=dim)
         return values, indices.to(torch.int32)
+
+
+class Argmax:
+    """``torch_neuronx.xla_impl.ops.Argmax`` as NxD's distributed argmax calls it (``Argmax.apply(t, dim, keepdim)``:
+    the argmax over the ranks' gathered maxima; a fused build's draft token): ``torch.argmax`` lowered by XLA."""
+
+    @staticmethod
+    def apply(x, dim=-1, keepdim=False):
+        return torch.argmax(x, dim=dim, keepdim=keepdim)

@@ -368,6 +368,7 @@ def _values() -> dict:
         m.xla_hlo_call = scribe.xla_hlo_call
         m.RmsNorm = scribe.RmsNorm
         m.TopK = scribe.TopK
+        m.Argmax = scribe.Argmax
 
     def base(m):
         m.xla_hlo_call = scribe.xla_hlo_call
