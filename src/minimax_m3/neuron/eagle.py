@@ -173,7 +173,7 @@ def draft_inference_config(dc: DraftConfig, target_cfg, target_path: str):
     return M3Eagle3DraftConfig(draft_neuron_config(nc), load_config=load)
 
 
-def vllm_fused_spec_config(target_cfg, draft_path: str):
+def vllm_fused_spec_config(target_cfg, draft_path: str, worker_cls):
     """The ``FusedSpecNeuronConfig`` vllm-neuron 0.4.1 attaches for an EAGLE3 draft (its private
     ``_init_fused_spec_config``: a copy of the target's neuron config, the draft class resolved from
     ``LlamaForCausalLMEagle3``, NxDI's ``load_pretrained_config`` of the draft's config.json), for ``compile
@@ -182,12 +182,10 @@ def vllm_fused_spec_config(target_cfg, draft_path: str):
 
     from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
 
-    from .model import NeuronMiniMaxM3Model
-
     nc = copy.deepcopy(target_cfg.neuron_config)
     nc.enable_fused_speculation, nc.is_eagle_draft = False, True
     draft = M3Eagle3DraftConfig(nc, load_config=load_pretrained_config(str(draft_path)))
-    return FusedSpecNeuronConfig(NeuronMiniMaxM3Model, draft_config=draft, draft_model_path=str(draft_path),
+    return FusedSpecNeuronConfig(worker_cls, draft_config=draft, draft_model_path=str(draft_path),
                                  draft_model_cls=M3Eagle3DraftForCausalLM)
 
 
