@@ -121,6 +121,17 @@ def write_config(path: Path, config) -> Path:
     return path
 
 
+def draft_and_target(tmp_path_factory, config) -> tuple[Path, Path]:
+    """(an EAGLE3 draft directory holding only the synthetic draft's ``config.json`` for ``config``, the target's
+    config-only checkpoint): all a dry run reads of either."""
+    from minimax_m3.checkpoint.draft import synthetic_config
+
+    draft = tmp_path_factory.mktemp("draft") / "eagle3"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps(synthetic_config(config).to_dict(), indent=2) + "\n")
+    return draft, write_config(tmp_path_factory.mktemp("cfg") / "m3w3", config)
+
+
 def m3_layers(n: int = 4):
     from minimax_m3.config import M3Config
 

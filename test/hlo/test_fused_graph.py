@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REASON, collective_ops, dry_run, write_config
+from .conftest import REASON, collective_ops, draft_and_target, dry_run
 from .test_verify_graph import ARGS, B, BUCKET, K, T, _config
 
 FUSED = "fused_speculation_model"
@@ -87,14 +87,9 @@ def builds(tmp_path_factory):
     cache); "fused_dir": the fused dry run's directory."""
     if REASON:
         pytest.skip(REASON)
-    from minimax_m3.checkpoint.draft import synthetic_config
     from minimax_m3.graphs import report as graphs
 
-    config = _config()
-    draft = tmp_path_factory.mktemp("draft") / "eagle3"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps(synthetic_config(config).to_dict(), indent=2) + "\n")
-    model = write_config(tmp_path_factory.mktemp("cfg") / "m3w3", config)
+    draft, model = draft_and_target(tmp_path_factory, _config())
     spec = ARGS + ["--speculative-tokens", str(K)]
     dirs = {"plain": dry_run(model, tmp_path_factory.mktemp("dry") / "plain", ARGS),
             "verify": dry_run(model, tmp_path_factory.mktemp("dry") / "draft", spec, draft),

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REASON, collective_ops, dry_run, write_config
+from .conftest import REASON, collective_ops, draft_and_target, dry_run
 
 K, B, BUCKET = 3, 4, 4096
 T = K + 1
@@ -62,14 +62,9 @@ def builds(tmp_path_factory):
     """{"plain": report, "draft": report} of the two dry runs."""
     if REASON:
         pytest.skip(REASON)
-    from minimax_m3.checkpoint.draft import synthetic_config
     from minimax_m3.graphs import report as graphs
 
-    config = _config()
-    draft = tmp_path_factory.mktemp("draft") / "eagle3"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps(synthetic_config(config).to_dict(), indent=2) + "\n")
-    model = write_config(tmp_path_factory.mktemp("cfg") / "m3w3", config)
+    draft, model = draft_and_target(tmp_path_factory, _config())
     plain = dry_run(model, tmp_path_factory.mktemp("dry") / "plain", ARGS)
     spec = dry_run(model, tmp_path_factory.mktemp("dry") / "draft", ARGS + ["--speculative-tokens", str(K)], draft)
     return {"plain": graphs.analyze_dir(plain, write=False), "draft": graphs.analyze_dir(spec, write=False)}

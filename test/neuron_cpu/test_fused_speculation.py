@@ -11,7 +11,6 @@ draft is AWS's own code) for the draft's proposal from the same target states.""
 import pytest
 import torch
 
-from minimax_m3.config import M3Config
 from minimax_m3.engine import GenerationConfig
 from test.conftest import random_ids
 
@@ -30,16 +29,11 @@ def _tp() -> int:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from minimax_m3.checkpoint.draft import write_synthetic_draft
-    from minimax_m3.checkpoint.synthetic import write_synthetic
     from minimax_m3.load import load_engine
 
-    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs, tiny_target_and_draft
 
-    config = M3Config.preset("tiny").replace(num_kv_heads=1, index_heads=1)
-    root = tmp_path_factory.mktemp("fused")
-    ck = write_synthetic(root / "tiny", config, seed=0)
-    draft = write_synthetic_draft(root / "draft", config, seed=1)
+    config, ck, draft = tiny_target_and_draft(tmp_path_factory.mktemp("fused"))
     kw = neuron_cpu_engine_kwargs(batch_size=SLOTS, max_seq_len=SEQ, max_context_length=CONTEXT,
                                   prefill_chunk=CONTEXT, on_device_sampling=True)
     fused = load_engine(str(ck), backend="neuron-cpu", draft=str(draft), num_speculative_tokens=K,

@@ -15,7 +15,6 @@ import copy
 import pytest
 import torch
 
-from minimax_m3.config import M3Config
 from minimax_m3.engine import GenerationConfig
 from test.conftest import random_ids
 
@@ -35,17 +34,12 @@ def _tp() -> int:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from minimax_m3.checkpoint.draft import write_synthetic_draft
-    from minimax_m3.checkpoint.synthetic import write_synthetic
     from minimax_m3.load import load_engine
     from minimax_m3.reference.engine import ReferenceEngine
 
-    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs, tiny_target_and_draft
 
-    config = M3Config.preset("tiny").replace(num_kv_heads=1, index_heads=1)
-    root = tmp_path_factory.mktemp("spec")
-    ck = write_synthetic(root / "tiny", config, seed=0)
-    draft = write_synthetic_draft(root / "draft", config, seed=1)
+    config, ck, draft = tiny_target_and_draft(tmp_path_factory.mktemp("spec"))
     port = load_engine(str(ck), backend="neuron-cpu", **neuron_cpu_engine_kwargs(
         batch_size=SLOTS, max_seq_len=SEQ, max_context_length=CONTEXT, prefill_chunk=CHUNK, draft=str(draft),
         num_speculative_tokens=K))

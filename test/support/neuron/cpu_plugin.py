@@ -54,6 +54,17 @@ def neuron_cpu_engine_kwargs(**overrides) -> dict:
     return kw
 
 
+def tiny_target_and_draft(root):
+    """``(config, checkpoint, draft)``: the speculative tests' tiny synthetic target (one KV head and index head, so
+    every TP degree splits its caches) and a synthetic EAGLE3 draft for it, under ``root``."""
+    from minimax_m3.checkpoint.draft import write_synthetic_draft
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+    from minimax_m3.config import M3Config
+
+    config = M3Config.preset("tiny").replace(num_kv_heads=1, index_heads=1)
+    return config, write_synthetic(root / "tiny", config, seed=0), write_synthetic_draft(root / "draft", config, seed=1)
+
+
 def nxdi_spec(ckpt, backend: str = "neuron-cpu", **fields):
     """``(spec, config)``: the resolved :class:`~minimax_m3.engine.spec.EngineSpec` of a test's NxDI build over
     ``ckpt`` and the checkpoint's parsed M3Config, for ``neuron_config(spec, **extra)`` / ``inference_config(spec,
