@@ -21,8 +21,8 @@ from .cost import (COLLECTIVE_LATENCY_S, LINK_BYTES_PER_S, PEAK_FLOPS_PER_S, Ttf
                    collectives, decode_floor_ms, decode_minimum_bytes, link_seconds, prefill_flops, ttft,
                    weights_read)
 from .fit import FitError, largest_batch, largest_context, require_fit
-from .speculative import (ACCEPTANCE, M3_DRAFT, Projection, StepCost, draft_step, format_projection, project,
-                          step_flops, target_step)
+from .speculative import (ACCEPTANCE, M3_DRAFT, Projection, StepCost, draft_heads, draft_part, draft_reads,
+                          format_projection, project, step_flops, target_step)
 from .memory import (BF16, FP8, FP32, GIB, HBM_BYTES_PER_S, HBM_PER_RANK_GIB, INT64, LAYOUTS, MAX_CHUNK,
                      PORT_LAYOUT, SHARD_ON_I_MULTIPLE, ChunkError, MemoryPlan, PlanError, attention_chunk_bytes,
                      cache_bytes, cache_multiple, cache_tokens, chunk_choices, chunk_problems, group_size,
@@ -30,8 +30,8 @@ from .memory import (BF16, FP8, FP32, GIB, HBM_BYTES_PER_S, HBM_PER_RANK_GIB, IN
                      sharded_attention_bytes, weight_bytes)
 
 __all__ = [
-    "ACCEPTANCE", "M3_DRAFT", "Projection", "StepCost", "draft_step", "format_projection", "project", "step_flops",
-    "target_step",
+    "ACCEPTANCE", "M3_DRAFT", "Projection", "StepCost", "draft_heads", "draft_part", "draft_reads",
+    "format_projection", "project", "step_flops", "target_step",
     "BF16", "COLLECTIVE_LATENCY_S", "FP8", "FP32", "GIB", "HBM_BYTES_PER_S", "HBM_PER_RANK_GIB", "INT64", "LAYOUTS",
     "LINK_BYTES_PER_S", "MAX_CHUNK", "PEAK_FLOPS_PER_S", "PORT_LAYOUT", "SHARD_ON_I_MULTIPLE", "ChunkError",
     "FitError", "MemoryPlan", "PlanError", "Ttft", "add_arguments", "attention_chunk_bytes", "cache_bytes",

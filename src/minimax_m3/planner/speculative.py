@@ -1,28 +1,39 @@
-"""Speculative decoding's projection: tokens per second per sequence with an EAGLE3 draft, against plain decode.
+"""Speculative decoding's projection: tokens per second per sequence with an EAGLE3 draft in NxDI's fused graph (the
+port's ``--fused-speculation``, ``neuron.eagle``), against plain decode.
 
 A step's time, per rank: ``max(bytes / HBM, FLOPs / peak) + collectives x 25 µs`` (the figures of :mod:`.cost`;
 the decode floor of :func:`.cost.decode_floor_ms` plus the fixed latency of the step's collectives, which the floor
 leaves out and which a step cannot overlap).
 
 * plain decode at batch b: :func:`.cost.decode_minimum_bytes` for b tokens, their FLOPs (:func:`step_flops`) and
-  :func:`.cost.collectives` of b tokens; one token per sequence.
-* a speculative step at batch b with k drafts: ONE verify step of ``b`` rows x ``k + 1`` tokens
-  (:func:`.cost.decode_minimum_bytes` with ``tokens = k + 1``: the weights read once for all of them, each row's
-  dense K/V and index keys once for its ``k + 1`` queries, the selected K/V blocks per query; its FLOPs per token;
-  :func:`.cost.collectives` of ``b x (k + 1)`` tokens, 2 per layer in the KV group as in decode: the graph's, in
-  ``test/hlo/test_verify_graph.py``) plus ``k`` draft steps (:func:`draft_step`: the draft layer's weights and its
-  KV cache of the context, 3 collectives each); it yields the acceptance length ``a`` (1 <= a <= k + 1) tokens per
-  sequence.
+  :func:`.cost.collectives` of b tokens (host sampling: the logits all-gathered); one token per sequence.
+* a fused step at batch b with k drafts, the parts the traced fused graph has (``test/hlo/test_fused_graph.py``,
+  docs/speculative.md "The fused graph at real widths"):
 
-tokens/s/sequence = ``a / (verify + k x draft)`` against ``1 / plain``. Nothing here ran on Trainium: arithmetic from
-the config, the published figures and an assumed draft (:data:`M3_DRAFT`) unless a draft's config is given.
+  - the target's verify of ``b`` rows x ``k + 1`` tokens (:func:`target_step` with ``tokens = k + 1``:
+    :func:`.cost.decode_minimum_bytes`, the weights read once for all of them, each row's dense K/V and index keys
+    once for its ``k + 1`` queries, the selected K/V blocks per query; its FLOPs per token; the verify's
+    :func:`.cost.collectives` with on-device sampling: no logits all-gather, the sampler's distributed top-k
+    instead, :data:`SAMPLER_COLLECTIVES`);
+  - the draft (:func:`draft_part`): ``k`` one-token steps in sequence, each reading the whole draft layer and its
+    head (fc only in the first: later steps feed the draft's own state) and its K/V cache over the whole context
+    bucket, then a catch-up over the ``k + 1`` verified tokens reading fc, k, v and the input and hidden norms
+    (:data:`CATCH_UP`; it writes the draft's K/V, reads no cache); the target states, one ``3 x hidden`` row per
+    sequence; the embedding rows. The head is the FULL vocabulary (``V x H`` and a bias, sharded over TP): the port
+    folds a reduced draft vocabulary into it (``neuron.eagle``), so ``draft_vocab_size`` costs nothing here. The
+    attention heads as NxDI shards them (:func:`draft_heads`). Collectives: :data:`DRAFT_STEP_COLLECTIVES` per draft
+    step and :data:`DRAFT_EXTRA_COLLECTIVES` per fused step.
+
+  It yields the acceptance length ``a`` (1 <= a <= k + 1) tokens per sequence.
+
+tokens/s/sequence = ``a / (target + draft)`` against ``1 / plain``. Nothing here ran on Trainium: arithmetic from the
+config, the published figures and an assumed draft (:data:`M3_DRAFT`) unless a draft's config is given.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import sharding
 from ..config.draft import DraftConfig
 from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, PEAK_FLOPS_PER_S, _per_token_flops, collectives, decode_minimum_bytes
@@ -30,12 +41,22 @@ from .memory import BF16, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens
 
 # An assumed draft for MiniMax-M3 when none is given: the published EAGLE3 head is a one-layer Llama fed by the
 # target's hidden size with MHA attention (docs/m3_model_and_formats.md §3.4); its heads, MLP width and draft
-# vocabulary are assumptions here (64 x 128, 16384, 32000). Its weights are 0.4 % of a rank's fp8 weights at TP 64.
+# vocabulary are assumptions here (64 x 128, 16384, 32000). The draft vocabulary does not enter the projection: the
+# port folds it into a full-vocabulary head (module docstring).
 M3_DRAFT = DraftConfig(hidden_size=6144, num_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=16384,
                        vocab_size=200064, draft_vocab_size=32000, target_hidden_size=6144)
 ACCEPTANCE = (1.5, 2.0, 2.5, 3.0, 3.5)
 BATCHES = (1, 2, 4, 8, 16, 32)
-DRAFT_COLLECTIVES = 3  # per draft step: the attention and MLP all-reduces, the logits all-gather
+# the fused graph's collectives as traced (test/hlo/test_fused_graph.py, TP 64, 2026-12-02). Per draft step: the
+# embedding all-gather, the attention and MLP all-reduces, NxD's distributed argmax (each rank's max and index,
+# 2 all-gathers)
+DRAFT_STEP_COLLECTIVES = 5
+DRAFT_EXTRA_COLLECTIVES = 3  # per fused step: fc's output all-gather in the first step and in the catch-up, the
+#                              catch-up's embedding all-gather
+# the target's on-device sampler: NxD's 3-stage distributed top-k, (values, ids) all-gathered per stage (traced with
+# NxD's TopK path, the stand-in for the NKI top-k kernel, whose collectives on trn2 may differ)
+SAMPLER_COLLECTIVES = 6
+CATCH_UP = ("fc", "k", "v", "input norm", "hidden norm")  # the draft tensors the catch-up reads (its K/V side)
 
 
 @dataclass(frozen=True)
@@ -66,33 +87,77 @@ def step_flops(c: M3Config, tp: int, ep: int, tokens: int, bucket: int) -> int:
 
 
 def target_step(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
-                layout: str = PORT_LAYOUT, tokens: int = 1) -> StepCost:
-    """A target forward over ``batch`` rows of ``tokens`` tokens each (plain decode: 1; a verify step: ``k + 1``)."""
+                layout: str = PORT_LAYOUT, tokens: int = 1, sampler: bool = False) -> StepCost:
+    """A target forward over ``batch`` rows of ``tokens`` tokens each (plain decode: 1; a verify step: ``k + 1``);
+    ``sampler``: with on-device sampling (the fused graph's): the logits all-gather replaced by the sampler's
+    :data:`SAMPLER_COLLECTIVES`."""
     bucket = cache_tokens(c, tp, seq, layout)
     b = decode_minimum_bytes(c, tp, ep, batch, bucket, weights, kv_dtype, layout=layout, tokens=tokens)
-    n = sum(r["count"] for r in collectives(c, tp, ep, batch * tokens, layout, row_tokens=tokens))
-    return StepCost(sum(b.values()), step_flops(c, tp, ep, batch * tokens, bucket), n)
+    rows = collectives(c, tp, ep, batch * tokens, layout, row_tokens=tokens)
+    n = sum(r["count"] for r in rows if not (sampler and r["name"] == "LM head logits"))
+    return StepCost(sum(b.values()), step_flops(c, tp, ep, batch * tokens, bucket),
+                    n + (SAMPLER_COLLECTIVES if sampler else 0))
 
 
-def draft_step(dc: DraftConfig, tp: int, batch: int, seq: int) -> StepCost:
-    """One draft forward for ``batch`` sequences: the draft layer's weights sharded over ``tp`` (fc, q/k/v over
-    2 x hidden, o, the MLP, its lm_head; the embedding rows of the batch), its bf16 KV cache of ``seq`` positions
-    per sequence, and ``DRAFT_COLLECTIVES`` collectives."""
-    h, d, i = dc.hidden_size, dc.head_dim, dc.intermediate_size
-    q, kv = sharding.heads_per_rank(dc.num_heads, tp) or 1, sharding.heads_per_rank(dc.num_kv_heads, tp) or 1
-    params = (3 * dc.target_hidden_size * h // tp + 2 * h * (q + 2 * kv) * d + q * d * h + 3 * h * i // tp
-              + -(-dc.draft_vocab_size // tp) * h)
-    state = batch * seq * 2 * kv * d * BF16
-    flops = batch * (2 * params + q * d * 4 * seq)
-    return StepCost(params * BF16 + batch * h * BF16 + state, flops, DRAFT_COLLECTIVES)
+def draft_heads(dc: DraftConfig, tp: int) -> tuple[int, int]:
+    """Query and KV heads per rank as NxDI's GQA module shards the draft's attention: the query heads padded to a
+    multiple of ``tp``; the KV heads of an MHA draft as the queries; of a GQA draft ``kv / tp`` where ``tp`` divides
+    them, one where they divide ``tp`` (REPLICATE_TO_TP_DEGREE), else as the padded queries (CONVERT_TO_MHA). 48 MHA
+    heads at TP 64: one of each per rank (the traced graph's)."""
+    q, kv = -(-dc.num_heads // tp), dc.num_kv_heads
+    if kv == dc.num_heads or (kv % tp and tp % kv):
+        return q, q
+    return q, kv // tp if kv >= tp else 1
+
+
+def draft_tensors(dc: DraftConfig, tp: int) -> dict[str, int]:
+    """Elements per rank of each draft tensor as the fused graph holds them (the embedding aside: read by rows):
+    fc ``[H / tp, 3 x target hidden]``; q, k, v ``[heads x d, 2H]``; o ``[H, q x d]``; gate, up, down over
+    ``I / tp``; 4 norms ``[H]``; the full-vocabulary head ``[V / tp, H]`` and its bias (the folded ``d2t``)."""
+    h, d = dc.hidden_size, dc.head_dim
+    q, kv = draft_heads(dc, tp)
+    rows = -(-dc.vocab_size // tp)
+    return {"fc": -(-h // tp) * 3 * dc.target_hidden_size, "q": q * d * 2 * h, "k": kv * d * 2 * h,
+            "v": kv * d * 2 * h, "o": h * q * d, "mlp": 3 * h * -(-dc.intermediate_size // tp), "input norm": h,
+            "hidden norm": h, "post-attention norm": h, "final norm": h, "lm_head": rows * h, "lm_head bias": rows}
+
+
+def draft_reads(dc: DraftConfig, tp: int, batch: int, bucket: int, k: int) -> dict[str, int]:
+    """Bytes the draft reads per rank and fused step (bf16): ``weights``: every tensor but fc in each of the ``k``
+    steps, fc in the first, :data:`CATCH_UP` in the catch-up, the embedding's rows (``H / tp`` wide) of ``k x batch``
+    + ``(k + 1) x batch`` tokens; ``kv``: K and V of the whole ``bucket`` in each step; ``states``: one
+    ``3 x target hidden`` target state per row."""
+    t = draft_tensors(dc, tp)
+    elements = k * sum(v for n, v in t.items() if n != "fc") + t["fc"] + sum(t[n] for n in CATCH_UP)
+    rows = (k * batch + (k + 1) * batch) * -(-dc.hidden_size // tp)
+    return {"weights": (elements + rows) * BF16,
+            "kv": k * batch * 2 * draft_heads(dc, tp)[1] * dc.head_dim * bucket * BF16,
+            "states": batch * 3 * dc.target_hidden_size * BF16}
+
+
+def draft_flops(dc: DraftConfig, tp: int, batch: int, bucket: int, k: int) -> int:
+    """Dot FLOPs per rank of the draft per fused step (2 x tokens x a weight's elements): each step's q, k, v, o, MLP
+    and head for ``batch`` tokens and its attention over the bucket and its own key (``x head_dim x 4`` per query
+    head), fc in the first step, fc, k and v for the catch-up's ``batch x (k + 1)`` tokens (RoPE's angles aside)."""
+    t, q = draft_tensors(dc, tp), draft_heads(dc, tp)[0]
+    step = 2 * batch * sum(t[n] for n in ("q", "k", "v", "o", "mlp", "lm_head")) + \
+        batch * q * dc.head_dim * 4 * (bucket + 1)
+    return k * step + 2 * batch * t["fc"] + 2 * batch * (k + 1) * (t["fc"] + t["k"] + t["v"])
+
+
+def draft_part(dc: DraftConfig, tp: int, batch: int, bucket: int, k: int) -> StepCost:
+    """The draft's part of one fused step for ``batch`` sequences over a ``bucket``-token context: ``k`` draft steps
+    and the catch-up (:func:`draft_reads`, :func:`draft_flops`, the collectives as traced)."""
+    return StepCost(sum(draft_reads(dc, tp, batch, bucket, k).values()), draft_flops(dc, tp, batch, bucket, k),
+                    k * DRAFT_STEP_COLLECTIVES + DRAFT_EXTRA_COLLECTIVES)
 
 
 @dataclass(frozen=True)
 class Projection:
     batch: int
     plain: StepCost
-    verify: StepCost
-    draft: StepCost
+    verify: StepCost  # the fused step's target part
+    draft: StepCost  # the fused step's draft part: k draft steps and the catch-up
     k: int
 
     @property
@@ -103,15 +168,16 @@ class Projection:
         """Per sequence, at a mean acceptance length (None where ``k`` drafts cannot reach it)."""
         if not 1.0 <= acceptance <= self.k + 1:
             return None
-        return acceptance / (self.verify.seconds + self.k * self.draft.seconds)
+        return acceptance / (self.verify.seconds + self.draft.seconds)
 
 
 def project(c: M3Config, tp: int, ep: int, seq: int, k: int, weights: str = "bf16", kv_dtype: str = "bf16",
             draft: DraftConfig = M3_DRAFT, batches=BATCHES, layout: str = PORT_LAYOUT) -> list[Projection]:
-    """Plain and speculative steps at each batch."""
+    """Plain and fused speculative steps at each batch."""
+    bucket = cache_tokens(c, tp, seq, layout)
     return [Projection(b, target_step(c, tp, ep, b, seq, weights, kv_dtype, layout),
-                       target_step(c, tp, ep, b, seq, weights, kv_dtype, layout, tokens=k + 1),
-                       draft_step(draft, tp, b, seq), k) for b in batches]
+                       target_step(c, tp, ep, b, seq, weights, kv_dtype, layout, tokens=k + 1, sampler=True),
+                       draft_part(draft, tp, b, bucket, k), k) for b in batches]
 
 
 def format_projection(rows: list[Projection], seq: int, weights: str, acceptance=ACCEPTANCE) -> str:
@@ -119,8 +185,10 @@ def format_projection(rows: list[Projection], seq: int, weights: str, acceptance
     head = "".join(f"{f'a={a}':>14}" for a in acceptance)
     lines = [f"speculative decoding, k={k} drafts, {seq} tokens, {weights} experts: tokens/s per sequence (x plain) "
              "at mean acceptance length a",
-             f"(per rank: step = max(HBM, FLOP) + collectives x {COLLECTIVE_LATENCY_S * 1e6:.0f} us; a verify step "
-             f"reads the weights once for b x {k + 1} tokens, each row's dense K/V and index keys once)",
+             f"(per rank: step = max(HBM, FLOP) + collectives x {COLLECTIVE_LATENCY_S * 1e6:.0f} us; NxDI's fused "
+             f"step: the target verifies b x {k + 1} tokens, reading the weights once and each row's dense K/V and "
+             f"index keys once, sampling on device; the draft runs {k} steps, each its layer, a full-vocabulary head "
+             "(a draft vocabulary folded in) and its K/V of the whole bucket, and a catch-up)",
              f"{'batch':>5} {'plain ms':>9} {'verify ms':>9} {'draft ms':>8} {'plain t/s':>9}{head}"]
     for r in rows:
         cells = ""
@@ -128,5 +196,5 @@ def format_projection(rows: list[Projection], seq: int, weights: str, acceptance
             t = r.tokens_per_s(a)
             cells += f"{'-':>14}" if t is None else f"{t:8.1f} ({t / r.plain_tokens_per_s:.2f}x)"
         lines.append(f"{r.batch:>5} {r.plain.seconds * 1e3:9.2f} {r.verify.seconds * 1e3:9.2f} "
-                     f"{k * r.draft.seconds * 1e3:8.2f} {r.plain_tokens_per_s:9.1f}{cells}")
+                     f"{r.draft.seconds * 1e3:8.2f} {r.plain_tokens_per_s:9.1f}{cells}")
     return "\n".join(lines)
