@@ -158,8 +158,9 @@ class EngineSpec:
         return out + s._draft_problems()
 
     def _draft_problems(self) -> list[str]:
-        """Speculative decoding with an EAGLE3 draft: on the reference backend in one process. The checkpoint itself
-        is checked when it loads, against the model (``checkpoint.draft``)."""
+        """Speculative decoding with an EAGLE3 draft: the reference backend in one process, the neuron backends with
+        the drafter on the host or inside the graph (``fused_speculation``). The checkpoint itself is checked when it
+        loads, against the model (``checkpoint.draft``)."""
         if not self.draft:
             return ([] if self.num_speculative_tokens is None else [
                 "num_speculative_tokens (--speculative-tokens) applies with a draft: add --draft DIR"]) + \
