@@ -96,6 +96,9 @@ class M3Eagle3DraftForCausalLM(NeuronLlamaForCausalLM):
     def get_state_dict(cls, model_name_or_path: str, config) -> dict:
         target = M3Config.from_fields(config.m3)
         dc, tensors = open_draft(model_name_or_path, target)
+        problems = fused_problems(dc, target)  # also where vllm-neuron, not the port, built the fused config
+        if problems:
+            raise DraftError(problems, f"EAGLE3 draft {model_name_or_path} (fused speculation)")
         tensors.update(target_shared(dc, tensors, config.target_path, target))
         sd = draft_state_dict(dc, tensors, config.neuron_config.torch_dtype)
         return nxd_compat.with_fused_prefix(cls, cls.convert_hf_to_neuron_state_dict(sd, config))
