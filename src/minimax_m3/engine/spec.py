@@ -22,7 +22,8 @@ from .._atomic import write_atomic
 from ..config.m3 import ConfigError, M3Config
 from ..errors import M3Error
 from .buckets import (  # noqa: F401  (re-exported: compile, neuron.config and the tests import them from here)
-    DEFAULT_CONTEXT_BUCKETS, bucket_problems, chunk_problems, context_buckets, default_buckets, token_buckets,
+    DEFAULT_CONTEXT_BUCKETS, bucket_problems, chunk_problems, context_buckets, default_buckets, fused_chunk_problems,
+    token_buckets,
 )
 
 BACKENDS = ("reference", "neuron", "neuron-cpu")
@@ -187,11 +188,7 @@ class EngineSpec:
             out.append("fused_speculation (--fused-speculation) accepts drafts on the device: add --on-device-sampling")
         if self.all_logits:
             out.append("fused_speculation returns token ids only: drop --all-logits")
-        if self.prefill_chunk is not None and self.prefill_chunk < self.max_context_len:
-            out.append(f"fused_speculation with prefill_chunk {self.prefill_chunk} < max_context_len "
-                       f"{self.max_context_len}: NxDI's draft prefills a whole prompt in one call; raise "
-                       "--prefill-chunk to the longest prompt or lower --max-context-len")
-        return out
+        return out + fused_chunk_problems(self.prefill_chunk, self.max_context_len)
 
     def validate(self, config: M3Config | None = None) -> "EngineSpec":
         """The resolved spec, or one :class:`ConfigError` listing every problem. ``config``: the model's, parsed

@@ -18,7 +18,7 @@ from neuronx_distributed_inference.modules.autobucketing import generate_buckets
 
 from ..config import sharding
 from ..config.m3 import M3Config
-from ..engine.buckets import bucket_problems, chunk_problems, context_buckets
+from ..engine.buckets import bucket_problems, chunk_problems, context_buckets, fused_chunk_problems
 from ..errors import ServingError
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,7 @@ def fused_problems(nc) -> list[str]:
     if odsc is None or odsc.do_sample:
         out.append("fused speculation needs on_device_sampling_config with do_sample=False (NxDI then keeps a draft "
                    "while it equals the target's token; the port's seeded sampler draws that token when dynamic=True)")
-    if 0 < nc.prefill_chunk < nc.max_context_length:
-        out.append(f"fused speculation with prefill_chunk {nc.prefill_chunk} < max_context_length "
-                   f"{nc.max_context_length}: NxDI's draft prefills a whole prompt in one call")
-    return out
+    return out + fused_chunk_problems(nc.prefill_chunk or None, nc.max_context_length)
 
 
 def serving_problems(kwargs: dict) -> list[str]:
