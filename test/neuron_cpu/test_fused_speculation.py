@@ -6,7 +6,9 @@ target's verify on the sharded caches with sparse selection active, acceptance o
 Oracles: plain on-device decoding of the same checkpoint without a draft (greedy and seeded: the fused graph keeps a
 draft while it equals the target's own choice, so the tokens must be the same, token for token), the float64
 reference's greedy tokens, and the reference EAGLE3 draft (``reference.eagle3``, written from vLLM's layout; NxDI's
-draft is AWS's own code) for the draft's proposal from the same target states."""
+draft is AWS's own code) for the draft's proposal from the same target states. A build whose prompts are prefilled in
+calls of ``CHUNK`` tokens is graded against the same oracles, and its draft cache and rolling-buffer state after a
+prefill against the one-call build's (NxDI's own fused prefill, graded above)."""
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ K = 3  # drafts per step: speculation_length 4
 SLOTS, SEQ, CONTEXT = 2, 192, 128
 PROMPTS = [random_ids(70, seed=51), random_ids(37, seed=52), random_ids(45, seed=53)]
 NEW = 20  # the 37-token prompt decodes across the 48 block boundary: selection active
+CHUNK = 16  # the chunked build's prefill calls: the prompts take 5, 3 and 3 calls
 
 
 def _tp() -> int:
@@ -40,6 +43,20 @@ def engines(tmp_path_factory):
                         fused_speculation=True, **kw)
     plain = load_engine(str(ck), backend="neuron-cpu", **kw)
     return fused, plain, ck, draft, config
+
+
+@pytest.fixture(scope="module")
+def chunked(engines):
+    """The fused build of the same target and draft whose prompts are prefilled in calls of ``CHUNK`` tokens."""
+    from minimax_m3.load import load_engine
+
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs
+
+    _, _, ck, draft, _ = engines
+    kw = neuron_cpu_engine_kwargs(batch_size=SLOTS, max_seq_len=SEQ, max_context_length=CONTEXT,
+                                  prefill_chunk=CHUNK, on_device_sampling=True)
+    return load_engine(str(ck), backend="neuron-cpu", draft=str(draft), num_speculative_tokens=K,
+                       fused_speculation=True, **kw)
 
 
 def test_a_fused_build_has_the_draft_in_its_graphs(engines):
@@ -194,3 +211,45 @@ def test_the_drafts_proposals_are_the_reference_drafts(engines):
         got.append(int(out[0].reshape(-1)[0]))
     print(f"\ndraft proposals, TP {_tp()}: {got} (reference: {[int(want[m - 1]) for m in (9, 24, 40, n - 1)]})")
     assert got == [int(want[m - 1]) for m in (9, 24, 40, n - 1)]
+
+
+def _draft_state(engine, row: int, n: int):
+    """The draft's K and V cache entries at positions ``0 .. n - 2`` of cache row ``row`` (entry ``n - 1`` is the
+    placeholder the first fused step rewrites) and the rolling buffer's target state for position ``n``."""
+    model = engine.app.fused_spec_model.model
+    kv = [x[row, :, :n - 1].clone() for x in model.draft_model.kv_mgr.past_key_values]
+    buffer = model.hidden_state_rolling_buffer
+    return kv, buffer.hidden_states[row, n % buffer.buffer_length].clone()
+
+
+def test_a_chunked_prefill_leaves_the_draft_what_one_call_leaves(engines, chunked):
+    """Each prompt prefilled alone in calls of ``CHUNK`` tokens (the draft attends to what its earlier calls wrote and
+    rewrites the previous call's placeholder entry) leaves the draft's cache entries and the rolling buffer's state as
+    the one-call build's prefill (NxDI's own fused prefill) does, within float32 rounding."""
+    fused = engines[0]
+    assert type(chunked.app.fused_spec_model.model).__name__ == "M3FusedSpecModel"
+    assert type(chunked.app.fused_spec_model.model.draft_model.kv_mgr).__name__ == "DraftKVCacheManager"
+    one = GenerationConfig(max_new_tokens=1)
+    worst = 0.0
+    for ids in PROMPTS:
+        assert fused.generate([ids], one)[0].tokens == chunked.generate([ids], one)[0].tokens
+        want, got = _draft_state(fused, 0, len(ids)), _draft_state(chunked, 0, len(ids))
+        for w, g in zip([*want[0], want[1]], [*got[0], got[1]]):
+            assert w.abs().max() > 0.1
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            worst = max(worst, float((g - w).abs().max()))
+    print(f"\nchunked prefill, TP {_tp()}: draft cache and rolling-buffer state vs one call: max |diff| {worst:.2e}")
+
+
+def test_chunked_fused_tokens_are_plain_on_device_decodings(engines, chunked):
+    """Greedy and seeded, three prompts in two slots: the chunked fused build's tokens are the build without a
+    draft's (and the one-call fused build's acceptance, step for step)."""
+    fused, plain = engines[0], engines[1]
+    for gen in (GenerationConfig(max_new_tokens=NEW),
+                GenerationConfig(max_new_tokens=NEW, temperature=0.8, top_k=20, seed=11)):
+        want = plain.generate(PROMPTS, gen)
+        got = chunked.generate(PROMPTS, gen)
+        assert [g.tokens for g in got] == [w.tokens for w in want]
+        one_call = fused.generate(PROMPTS, gen)
+        assert [(g.timings["spec_steps"], g.timings["accepted_tokens"]) for g in got] == \
+            [(o.timings["spec_steps"], o.timings["accepted_tokens"]) for o in one_call]

@@ -32,6 +32,10 @@ HOOKS = {  # private names of NxD / NxDI / torch that the model files may use, a
                       "sharded layout's line length (max_len / G)",
     "_is_prefill": "NxDI's routing of a call to context encoding or token generation (model_base.py), overridden so "
                    "a chunk of a chunked prefill at p0 > 0 runs the context-encoding graph",
+    "_eagle_context_encoding_forward": "NxDI's fused EAGLE prefill (model_base.py NeuronFusedSpecModel), overridden "
+                                       "so the draft follows a prompt prefilled in several calls (eagle.py)",
+    "_cte_postprocessor": "NxDI's fused prefill outputs (model_base.py NeuronFusedSpecModel): a call's next position "
+                          "counted from its first position when a prompt takes several calls",
     "_apply": "torch.nn.Module's cast entry, which NxDI's cast policy and to_cpu's .bfloat16() go through "
               "(layers.KeepFP32, moe.M3Router keep their fp32 parameters there)",
 }

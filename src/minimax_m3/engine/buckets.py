@@ -99,13 +99,3 @@ def chunk_problems(chunk: int | None, config: M3Config, tp: int, *, neuron: bool
                 f"{max_seq_len}: raise --max-seq-len to {whole} or lower --max-context-len to "
                 f"{max_seq_len // chunk * chunk}"]
     return []
-
-
-def fused_chunk_problems(chunk: int | None, max_context_len: int) -> list[str]:
-    """NxDI's fused speculation prefills a whole prompt per call (its draft writes a prefill from cache slot 0): the
-    prefill chunk must hold the longest prompt. The spec's rule and the neuron config's (vLLM builds that alone)."""
-    if chunk is None or chunk >= max_context_len:
-        return []
-    return [f"fused_speculation with prefill_chunk {chunk} < max_context_len {max_context_len}: NxDI's draft "
-            "prefills a whole prompt in one call; raise --prefill-chunk (override_neuron_config prefill_chunk) to the "
-            "longest prompt or lower --max-context-len (--max-model-len)"]

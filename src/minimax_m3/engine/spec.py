@@ -22,7 +22,7 @@ from .._atomic import write_atomic
 from ..config.m3 import ConfigError, M3Config
 from ..errors import M3Error
 from .buckets import (  # noqa: F401  (re-exported: compile, neuron.config and the tests import them from here)
-    DEFAULT_CONTEXT_BUCKETS, bucket_problems, chunk_problems, context_buckets, default_buckets, fused_chunk_problems,
+    DEFAULT_CONTEXT_BUCKETS, bucket_problems, chunk_problems, context_buckets, default_buckets,
     token_buckets,
 )
 
@@ -178,7 +178,7 @@ class EngineSpec:
 
     def _fused_problems(self) -> list[str]:
         """NxDI's fused speculation (the draft inside the graph, ``neuron.eagle``): on-device sampling (NxDI accepts
-        on the device), a whole prompt per prefill call (NxDI's draft writes a prefill from slot 0)."""
+        on the device); prompts longer than ``prefill_chunk`` are prefilled in calls, the draft's too."""
         out = []
         if not _neuron(self.backend):
             out.append("fused_speculation (--fused-speculation) is NxDI's: use --backend neuron or neuron-cpu (the "
@@ -188,7 +188,7 @@ class EngineSpec:
             out.append("fused_speculation (--fused-speculation) accepts drafts on the device: add --on-device-sampling")
         if self.all_logits:
             out.append("fused_speculation returns token ids only: drop --all-logits")
-        return out + fused_chunk_problems(self.prefill_chunk, self.max_context_len)
+        return out
 
     def validate(self, config: M3Config | None = None) -> "EngineSpec":
         """The resolved spec, or one :class:`ConfigError` listing every problem. ``config``: the model's, parsed

@@ -18,7 +18,7 @@ from neuronx_distributed_inference.modules.autobucketing import generate_buckets
 
 from ..config import sharding
 from ..config.m3 import M3Config
-from ..engine.buckets import bucket_problems, chunk_problems, context_buckets, fused_chunk_problems
+from ..engine.buckets import bucket_problems, chunk_problems, context_buckets
 from ..errors import ServingError
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,12 @@ UNSUPPORTED = (
 )
 
 
+def prefill_in_calls(nc) -> bool:
+    """Whether a prompt may take several context-encoding calls (``prefill_chunk`` below ``max_context_length``):
+    every call then reads what the earlier ones wrote (the target's attention, the fused draft's)."""
+    return bool(nc.prefill_chunk) and nc.prefill_chunk < nc.max_context_length
+
+
 def fused_problems(nc) -> list[str]:
     """What NxDI's fused EAGLE3 speculation (``neuron.eagle``) needs of the target's neuron config."""
     out = []
@@ -94,7 +100,7 @@ def fused_problems(nc) -> list[str]:
     if odsc is None or odsc.do_sample:
         out.append("fused speculation needs on_device_sampling_config with do_sample=False (NxDI then keeps a draft "
                    "while it equals the target's token; the port's seeded sampler draws that token when dynamic=True)")
-    return out + fused_chunk_problems(nc.prefill_chunk or None, nc.max_context_length)
+    return out
 
 
 def serving_problems(kwargs: dict) -> list[str]:

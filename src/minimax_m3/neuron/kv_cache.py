@@ -23,6 +23,9 @@ of G; every call, whatever the layout, is written at its start so prompts can be
 the rank's residue of its tokens at slots ``start/G ..`` of rows ``seq_ids`` (continuous batching) or ``0..B-1``; a
 decode step writes each row's token on the rank that owns its position (``ops.sharded.write_token``); reads slice a
 decode bucket ``b`` to ``b / G`` slots. :meth:`prior` hands the attention the rows' whole lines in context encoding.
+
+:class:`DraftKVCacheManager`: the same call writes and reads (:class:`CallWrites`) for the EAGLE3 draft of a fused
+build whose prompts take several calls (``neuron.eagle``), on NxDI's own cache otherwise.
 """
 
 from __future__ import annotations
@@ -34,7 +37,60 @@ from torch import nn
 from .. import ops
 
 
-class M3KVCacheManager(KVCacheManager):
+class CallWrites:
+    """Mixin for NxDI's ``KVCacheManager``: a context-encoding call written at its first position (so a prompt can be
+    prefilled in several calls) and the rows' whole lines read back for the next call. ``group`` ranks per KV head
+    (1: every slot on this rank); :meth:`extra_lines` the lines a layer has after its K and V (``[rows, S, D]``)."""
+
+    group = 1
+
+    def kv_lines(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V cache tensors of ``layer`` (``past_key_values[2 * layer]`` and ``[2 * layer + 1]``)."""
+        return self.past_key_values[2 * layer], self.past_key_values[2 * layer + 1]
+
+    def extra_lines(self, layer: int) -> list[torch.Tensor]:
+        return []
+
+    def prior(self, layer: int, rows: torch.Tensor | None, batch: int) -> list[torch.Tensor]:
+        """The whole K, V (and extra) lines of a context-encoding call of ``layer``: cache ``rows`` (continuous
+        batching), or with ``rows=None`` the first ``batch`` rows (static batching: a slice, no copy). What the
+        earlier calls of a chunked prefill wrote, read only (the attention masks slots past the call's start)."""
+        lines = [*self.kv_lines(layer), *self.extra_lines(layer)]
+        return [x[:batch] if rows is None else x.index_select(0, rows) for x in lines]
+
+    def group_rank(self):
+        return torch.remainder(self.global_rank.get_rank(), self.group).to(torch.int64) if self.group > 1 else 0
+
+    def write_call(self, seq_ids, position_ids, new_key_values) -> list[torch.Tensor]:
+        """A context-encoding call of ``T`` tokens from ``start = position_ids[:, 0]``: the rank's residue (all
+        ``T`` with one rank per head) at slots ``start/G ..`` of rows ``seq_ids`` (continuous batching) or
+        ``0..B-1``; every layer's K and V, then every layer's extra lines (NxDI's cache order)."""
+        b = position_ids.shape[0]
+        rows = seq_ids.view(-1).to(torch.int64) if self.is_continuous_batching else \
+            torch.arange(b, device=position_ids.device)
+        rank, first = self.group_rank(), position_ids[:, 0].to(torch.int64) // self.group
+        kv, extra = [], []
+        for layer, new in enumerate(new_key_values):
+            for line, tokens in zip(self.kv_lines(layer), new[:2]):
+                kv.append(_write_slots(line, _residue(tokens, rank, self.group, 2), rows, first, 2))
+            for line, tokens in zip(self.extra_lines(layer), new[2:]):
+                extra.append(_write_slots(line, _residue(tokens, rank, self.group, 1), rows, first, 1))
+        return kv + extra
+
+
+class DraftKVCacheManager(CallWrites, KVCacheManager):
+    """NxDI's cache of the EAGLE3 draft in a fused build whose prompts take several calls: a context-encoding call
+    written at its first position (:class:`CallWrites`; NxDI's writes a call from slot 0), the rest NxDI's."""
+
+    def update_cache(self, is_for_context_encoding: bool, seq_ids, position_ids, new_key_values, seq_len: int,
+                     *args, **kwargs):
+        if is_for_context_encoding:
+            return self.write_call(seq_ids, position_ids, new_key_values)
+        return super().update_cache(is_for_context_encoding, seq_ids, position_ids, new_key_values, seq_len, *args,
+                                    **kwargs)
+
+
+class M3KVCacheManager(CallWrites, KVCacheManager):
     def __init__(self, config, *, num_kv_head, global_rank=None, **kwargs):
         self.group = config.num_cores_per_group if getattr(config, "kv_layout", "replicated") == "sharded" else 1
         super().__init__(config, num_kv_head=num_kv_head, global_rank=global_rank, **kwargs)
@@ -53,19 +109,11 @@ class M3KVCacheManager(KVCacheManager):
             self.k_shape = (*self.k_shape[:2], self.k_shape[2] // self.group, *self.k_shape[3:])
             self.v_shape = (*self.v_shape[:2], self.v_shape[2] // self.group, *self.v_shape[3:])
 
-    def kv_lines(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V cache tensors of ``layer`` (``past_key_values[2 * layer]`` and ``[2 * layer + 1]``)."""
-        return self.past_key_values[2 * layer], self.past_key_values[2 * layer + 1]
-
     def index_k_cache(self, layer: int) -> torch.Tensor:
         return self.past_key_values[2 * self.num_layers + self.index_slot[layer]]
 
-    def prior(self, layer: int, rows: torch.Tensor | None, batch: int) -> list[torch.Tensor]:
-        """The whole K, V (and index-K) lines of a context-encoding call of ``layer``: cache ``rows`` (continuous
-        batching), or with ``rows=None`` the first ``batch`` rows (static batching: a slice, no copy). What the
-        earlier calls of a chunked prefill wrote, read only (the attention masks slots past the call's start)."""
-        lines = [*self.kv_lines(layer)] + ([self.index_k_cache(layer)] if layer in self.index_slot else [])
-        return [x[:batch] if rows is None else x.index_select(0, rows) for x in lines]
+    def extra_lines(self, layer: int) -> list[torch.Tensor]:
+        return [self.index_k_cache(layer)] if layer in self.index_slot else []
 
     def get_cache(self, seq_len: int, skip_slice=False, kvcache_buffer=None, seq_ids=None,
                   windowed_context_encoding_window_idx=-1, **kwargs):
@@ -103,28 +151,6 @@ class M3KVCacheManager(KVCacheManager):
             new = new_key_values[layer][2]  # [B, 1, D]
             updated.append(ops.write_positions(cache.clone(), new.to(cache.dtype), position_ids, seq_dim=1))
         return updated
-
-    def group_rank(self) -> torch.Tensor:
-        return torch.remainder(self.global_rank.get_rank(), self.group).to(torch.int64)
-
-    def write_call(self, seq_ids, position_ids, new_key_values) -> list[torch.Tensor]:
-        """A context-encoding call of ``T`` tokens from ``start = position_ids[:, 0]``: the rank's residue (all
-        ``T`` with one rank per head) at slots ``start/G ..`` of rows ``seq_ids`` (continuous batching) or
-        ``0..B-1``."""
-        b = position_ids.shape[0]
-        rows = seq_ids.view(-1).to(torch.int64) if self.is_continuous_batching else \
-            torch.arange(b, device=position_ids.device)
-        rank = self.group_rank() if self.group > 1 else 0
-        start = position_ids[:, 0].to(torch.int64)
-        k_out, v_out, ik_out = [], [], []
-        for layer, new in enumerate(new_key_values):
-            k, v = self.kv_lines(layer)
-            k_out.append(_write_slots(k, _residue(new[0], rank, self.group, 2), rows, start // self.group, 2))
-            v_out.append(_write_slots(v, _residue(new[1], rank, self.group, 2), rows, start // self.group, 2))
-            if layer in self.index_slot:
-                ik = self.index_k_cache(layer)
-                ik_out.append(_write_slots(ik, _residue(new[2], rank, self.group, 1), rows, start // self.group, 1))
-        return [x for pair in zip(k_out, v_out) for x in pair] + ik_out
 
     def write_tokens(self, position_ids, new_key_values) -> list[torch.Tensor]:
         """Decode (or a speculative verify step's ``T`` tokens per row) on the sharded layout: row r's tokens (cache

@@ -253,7 +253,8 @@ def prefill_in_chunks(app, forward, kw: dict):
 def _merge(outs, widths, holder, all_positions: bool):
     """The outputs of a chunked prefill's calls as one call's (see :func:`prefill_in_chunks`): each of ``logits``,
     ``tokens``, ``hidden_states`` (NxDI may hand the same tensor under several names) concatenated over the calls'
-    widths when it holds every position, else row ``r`` taken from call ``holder[r]``."""
+    widths when it holds every position, else row ``r`` taken from call ``holder[r]``; fused speculation's four
+    outputs row by row the same way."""
     out, merged = outs[-1], {}
     fields = {name: [getattr(o, name, None) for o in outs] for name in ("logits", "tokens", "hidden_states")}
     for name, values in fields.items():
@@ -265,17 +266,28 @@ def _merge(outs, widths, holder, all_positions: bool):
         elif all_positions and name != "tokens" and values[0].dim() > 2:
             merged[name] = torch.cat([v[:, :w] for v, w in zip(values, widths)], dim=1)
         else:
-            picked = values[-1].clone()
-            for k, v in enumerate(values[:-1]):
-                rows = holder == k
-                picked[rows] = v[rows]
-            merged[name] = picked
+            merged[name] = _by_row(values, holder)
+    fused = [getattr(o, "fused_outputs", None) for o in outs]  # fused speculation: NxDI's four outputs, per row
+    if all(isinstance(f, (list, tuple)) for f in fused):
+        picked = [_by_row(values, holder) for values in zip(*fused)]
+        same = getattr(out, "hidden_states", None) is out.fused_outputs  # NxDI hands the list under both names
+        merged["fused_outputs"] = picked
+        if same:
+            merged["hidden_states"] = picked
     states = [getattr(o, "aux_states", None) for o in outs]  # a draft's target states: every position
     if all(torch.is_tensor(v) for v in states):
         merged["aux_states"] = torch.cat([v[:, :w] for v, w in zip(states, widths)], dim=1)
     for name, value in merged.items():
         setattr(out, name, value)
     return out
+
+
+def _by_row(values, holder):
+    """Row ``r`` of ``values[holder[r]]`` (one tensor per call, rows first)."""
+    picked = values[-1].clone()
+    for k, v in enumerate(values[:-1]):
+        picked[holder == k] = v[holder == k]
+    return picked
 
 
 class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCausalLM):
@@ -373,6 +385,10 @@ class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCau
     # enable_context_encoding / enable_token_generation call get_compiler_args() there).
     def enable_context_encoding(self, **kwargs):
         self.compile_tag = CONTEXT_ENCODING_MODEL_TAG
+        if self.neuron_config.enable_fused_speculation:  # NxDI's __init__ has just set its NeuronFusedSpecModel
+            from .eagle import M3FusedSpecModel  # (the draft follows a prompt prefilled in several calls)
+
+            self._model_cls = M3FusedSpecModel
         super().enable_context_encoding(**kwargs)
 
     def enable_token_generation(self, *args, **kwargs):
