@@ -67,6 +67,7 @@ DRAFT = {
 }
 EMBED_ROWS = (T - 1) * B + T * B  # 3 draft steps of 4 rows, the catch-up's 16 tokens
 DRAFT_KV = 2 * B * 1 * BUCKET * 128 * 2  # K and V, one head per rank
+PROMPT = 128  # the context bucket (ARGS)
 RANK_ID = 4  # the target's rank id (int32 [1]), read again by the seeded sampler of an on-device-sampling build
 
 
@@ -83,8 +84,9 @@ def _graph(rep: dict, submodel: str) -> dict:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """{"plain", "verify", "fused"} reports (the first two: ``test_verify_graph``'s runs, shared through the trace
-    cache); "fused_dir": the fused dry run's directory."""
+    """{"plain", "verify", "fused", "chunked"} reports (the first two: ``test_verify_graph``'s runs, shared through the
+    trace cache; "chunked": the fused build with prompts of up to 256 tokens prefilled in calls of 128); "fused_dir":
+    the fused dry run's directory."""
     if REASON:
         pytest.skip(REASON)
     from minimax_m3.graphs import report as graphs
@@ -94,7 +96,10 @@ def builds(tmp_path_factory):
     dirs = {"plain": dry_run(model, tmp_path_factory.mktemp("dry") / "plain", ARGS),
             "verify": dry_run(model, tmp_path_factory.mktemp("dry") / "draft", spec, draft),
             "fused": dry_run(model, tmp_path_factory.mktemp("dry") / "fused",
-                             spec + ["--fused-speculation", "--on-device-sampling"], draft)}
+                             spec + ["--fused-speculation", "--on-device-sampling"], draft),
+            "chunked": dry_run(model, tmp_path_factory.mktemp("dry") / "chunked",
+                               spec + ["--fused-speculation", "--on-device-sampling", "--max-context-len",
+                                       str(2 * PROMPT), "--prefill-chunk", str(PROMPT)], draft)}
     out = {k: graphs.analyze_dir(d, write=False) for k, d in dirs.items()}
     out["fused_dir"] = dirs["fused"]
     return out
@@ -260,3 +265,27 @@ def test_fused_against_the_one_token_and_verify_steps(builds):
     assert total == verify["bytes_read"]["weights"] + RANK_ID + 183_066_180
     # the excess over "target once + draft once" is the 2 more draft steps and the catch-up, nothing else
     assert total - (one["bytes_read"]["weights"] + once) == 183_066_180 - once + 12 * COLS * 2 + RANK_ID
+
+
+def test_a_prefill_in_calls_costs_the_draft_what_one_call_does_and_one_state_shift(builds):
+    """Prompts longer than a call (``--prefill-chunk 128 --max-context-len 256``): one context-encoding graph for
+    every call (the call's first position is an input; ``neuron.eagle.M3FusedSpecModel``). The draft's weights read
+    as the one-call build's (its K/V side), its cache written in place, the target's caches too (no copies). What the
+    calls add: two target states per row from the rolling buffer (the previous call's last; the kept one of a row
+    whose prompt ended earlier) and ONE pass over the call's target states, shifted by one position for the draft
+    (``[B, T, 3H]`` bf16: the minimum for a shift; NxDI's one-call prefill shifts the tokens instead, which across
+    calls would leave the previous call's last entry without its token)."""
+    one = _graph(builds["fused"], "context_encoding_model")
+    chunked = _graph(builds["chunked"], "context_encoding_model")
+    b = chunked["batch"]
+    print(f"\nchunked fused prefill, batch {b}: draft {chunked['draft']}; one call {one['draft']}")
+    assert (chunked["bucket"], chunked["tokens"]) == (one["bucket"], one["tokens"]) == (PROMPT, PROMPT)
+    assert chunked["draft"]["weights"] == one["draft"]["weights"] == 9_879_552
+    assert chunked["draft"]["kv"] == one["draft"]["kv"] == 0
+    assert chunked["draft"]["states"] == 2 * b * 3 * H * 2
+    assert sum(chunked["state_copies"].values()) == 0  # the target's caches
+    shift = b * PROMPT * 3 * H * 2
+    assert (chunked["draft"]["state_copies"], chunked["draft"]["state_copy_bytes"]) == (1, shift) == (1, 4_718_592)
+    notes = [n for n in chunked["notes"] if n.startswith("state copies")]
+    want = f"state copies: 1 x concatenate bf16[{b}, {PROMPT}, {3 * H}] eagle.py:"
+    assert len(notes) == 1 and notes[0].startswith(want), notes

@@ -190,29 +190,19 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         return nxd_compat.KVGroupOps(self.group) if self.group > 1 else sharded_step.Alone()
 
     def prefill_call(self, Q, K, V):
-        """A context-encoding call over the rows' prior lines plus the call's own keys (:func:`call_attention`)."""
-        iq, ik = (self._index[0], self._index[1]) if self.sparse else (None, None)
-        return call_attention(Q, K, V, self.call_context, self.continuous_batching, self.scale, self.group_rank(),
-                              self.group, self.group_ops(), self.selection if self.sparse else None, iq, ik)
-
-
-def call_attention(Q, K, V, call_context, continuous_batching: bool, scale: float, rank=0, group: int = 1,
-                   group_ops=None, sel=None, iq=None, ik=None):
-    """A context-encoding call of ``T`` tokens from ``start = position_ids[:, 0]`` over the rows' prior lines (what
-    earlier calls wrote: ``kv_mgr.prior``, a ``kv_cache.CallWrites``) plus the call's own keys (the rank's residue),
-    causal by position: the target's layers and the fused EAGLE3 draft's (``neuron.eagle``). ``call_context``:
-    ``(kv_mgr, layer, seq_ids, position_ids)`` of the call; ``sel`` with the index queries ``iq`` and keys ``ik``
-    makes it sparse."""
-    kv_mgr, layer, seq_ids, position_ids = call_context
-    b, t = Q.shape[0], Q.shape[2]
-    prior = kv_mgr.prior(layer, seq_ids.view(-1).to(torch.int64) if continuous_batching else None, b)
-    start = position_ids[:, 0].to(torch.int64)
-    q_pos = start.view(-1, 1) + torch.arange(t, device=Q.device).view(1, -1)
-    act = sharded_step.chunk_active(K.to(prior[0].dtype), V.to(prior[1].dtype),
-                                    None if ik is None else ik.to(prior[0].dtype), start, rank, group)
-    return sharded_step.rank_attention(Q, prior[0], prior[1], act, q_pos, start, rank,
-                                       group_ops or sharded_step.Alone(), scale, sel, iq,
-                                       prior[2] if sel is not None else None, _topk_fn())
+        """A context-encoding call of ``T`` tokens from ``start = position_ids[:, 0]`` over the rows' prior lines
+        (what earlier calls wrote) plus the call's own keys (the rank's residue)."""
+        kv_mgr, layer, seq_ids, position_ids = self.call_context
+        b, t = Q.shape[0], Q.shape[2]
+        prior = kv_mgr.prior(layer, seq_ids.view(-1).to(torch.int64) if self.continuous_batching else None, b)
+        start = position_ids[:, 0].to(torch.int64)
+        q_pos = start.view(-1, 1) + torch.arange(t, device=Q.device).view(1, -1)
+        rank = self.group_rank()
+        iq, ik = (self._index[0], self._index[1].to(prior[0].dtype)) if self.sparse else (None, None)
+        act = sharded_step.chunk_active(K.to(prior[0].dtype), V.to(prior[1].dtype), ik, start, rank, self.group)
+        return sharded_step.rank_attention(Q, prior[0], prior[1], act, q_pos, start, rank, self.group_ops(), self.scale,
+                                           self.selection if self.sparse else None, iq,
+                                           prior[2] if self.sparse else None, _topk_fn())
 
 
 def _topk_fn():

@@ -18,14 +18,15 @@ What the port adds to NxDI's draft (:class:`M3Eagle3DraftModel`, :class:`M3Eagle
   ``Vd x H`` per draft step (written down in docs/speculative.md).
 
 * prompts prefilled in several calls (``prefill_chunk`` below ``max_context_length``; NxDI's draft prefills a
-  whole prompt from cache slot 0 and attends within the call): :class:`M3FusedSpecModel`. A prompt's first call
-  is NxDI's (the draft one position behind the target within the call; its last entry a placeholder); a later call
-  at ``p0`` feeds the draft the call's own tokens at positions ``p0 - 1 ..`` with the target states shifted by one,
-  the first being the state the previous call left in NxDI's rolling buffer, so it rewrites the previous call's
-  placeholder and ends on its own (which the next call, or the first fused step's catch-up, rewrites). The draft's
-  layer attends to its cache's prior entries plus the call (:class:`M3Eagle3ChunkedAttention`, the target's
-  ``attention.call_attention``) and its cache is written at the call's first position
-  (``kv_cache.DraftKVCacheManager``); each call's next position and rolling-buffer slot count from ``p0``.
+  whole prompt from cache slot 0, one position behind the target within the call, its last entry a placeholder):
+  :class:`M3FusedSpecModel`. A call at ``p0`` feeds the draft the call's own tokens at positions ``p0 - 1 ..`` with
+  the target's states shifted by one, the first being the state the previous call left in NxDI's rolling buffer: it
+  completes the previous call's last entry and leaves its own to the next call (or the first fused step's
+  catch-up). Its cache is written at the call's first position (``kv_cache.DraftKVCacheManager``; a prompt's first
+  call, which has no entry ``-1``, rotated so its entry 0 lands on a slot written again before it is read); each
+  call's next position and rolling-buffer slot count from ``p0``. The draft has one layer, so an entry's K and V
+  depend on that position's token, state and position alone: a prefill's draft attention output is unused (NxDI's
+  graph drops it) and the call needs none over the earlier calls' entries.
 
 The target's side (its three states at the draft's aux layer ids in NxDI's EAGLE3 layout) is
 ``model.NeuronMiniMaxM3Model.get_model_output``.
@@ -40,20 +41,15 @@ from ..config.draft import DraftConfig, default_aux_layers, parse_draft_config
 from ..config.m3 import M3Config
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
 from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig, NeuronConfig
-from neuronx_distributed_inference.models.llama.modeling_llama import (LlamaInferenceConfig, NeuronLlamaAttention,
-                                                                       NeuronLlamaForCausalLM, NeuronLlamaModel,
-                                                                       register_module)
+from neuronx_distributed_inference.models.llama.modeling_llama import (LlamaInferenceConfig, NeuronLlamaForCausalLM,
+                                                                       NeuronLlamaModel)
 from neuronx_distributed_inference.models.model_base import NeuronFusedSpecModel
-from neuronx_distributed_inference.modules.attention.attention_base import FlashAttentionStrategy
 from neuronx_distributed_inference.utils.distributed import get_tp_group
 
 from . import nxd_compat
-from .attention import call_attention
 from .config import prefill_in_calls
 from .kv_cache import DraftKVCacheManager
 from .sampling import on_device_sampling_config
-
-CHUNKED_ATTENTION = "M3Eagle3ChunkedAttention"  # NxDI's ``attn_cls`` of the draft when prompts take several calls
 
 # canonical draft key (checkpoint.draft) -> NxDI's Llama EAGLE3 draft key, where they differ: the names NxDI's GQA
 # modules register (as the target's rule table, checkpoint.nxdi_rules), then the layer prefix
@@ -92,10 +88,10 @@ class M3Eagle3DraftModel(nxd_compat.OnDeviceSamplingHook, NeuronLlamaModel):
         return nxd_compat.cpu_argmax(logits, get_tp_group(self.config)) if self.neuron_config.on_cpu else None
 
     def init_inference_optimization(self, config):
-        """NxDI's; with prompts prefilled in several calls (the chunked attention class) the cache is written at each
-        call's first position."""
+        """NxDI's; with prompts prefilled in several calls (``prefill_in_calls``, set by :class:`M3FusedSpecModel`)
+        the cache is written at each call's first position."""
         super().init_inference_optimization(config)
-        if config.neuron_config.attn_cls == CHUNKED_ATTENTION:
+        if getattr(config, "prefill_in_calls", False):
             self.kv_mgr = DraftKVCacheManager(config, num_kv_head=self.num_key_value_heads, global_rank=self.rank_util)
 
     def init_model(self, config):
@@ -107,35 +103,15 @@ class M3Eagle3DraftModel(nxd_compat.OnDeviceSamplingHook, NeuronLlamaModel):
                                                 tensor_model_parallel_group=get_tp_group(config))
 
 
-@register_module(CHUNKED_ATTENTION)
-class M3Eagle3ChunkedAttention(NeuronLlamaAttention):
-    """NxDI's Llama attention of the draft when prompts take several calls: a context-encoding call at positions
-    ``start = position_ids[:, 0] ..`` attends to the draft cache's entries before ``start`` (what earlier calls
-    wrote) and to its own, causally (``attention.call_attention``, dense, one rank per head); decode is NxDI's."""
-
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, *args, **kwargs):
-        self.call_context = (kwargs.get("kv_mgr"), kwargs.get("idx"), kwargs.get("seq_ids"), position_ids)
-        try:
-            return super().forward(hidden_states, attention_mask, position_ids, past_key_value, *args, **kwargs)
-        finally:
-            self.call_context = None
-
-    def perform_prefill(self, Q, K, V, q_len, bsz, attention_mask):
-        out = call_attention(Q, K, V, self.call_context, self.neuron_config.is_continuous_batching,
-                             1.0 / self.softmax_scale)  # NxDI divides the scores by its softmax_scale
-        return out, FlashAttentionStrategy.NONE
-
-
 class M3FusedSpecModel(NeuronFusedSpecModel):
     """NxDI's fused speculation model (``NeuronFusedSpecModel``, NxDI 0.9 ``models/model_base.py``); when prompts
-    take several prefill calls (:func:`config.prefill_in_calls`) the draft follows them (module docstring). One
-    graph for every call: a call's first position ``p0`` is an input, so both of the draft's inputs are built and
-    picked per row."""
+    take several prefill calls (:func:`config.prefill_in_calls`) the draft follows them (module docstring): one
+    graph for every call, the call's first position ``p0`` an input."""
 
     def __init__(self, config):
         in_calls = prefill_in_calls(config.neuron_config)
-        if in_calls:  # before NxDI builds the draft (the config is this model's own copy)
-            config.fused_spec_config.draft_config.neuron_config.attn_cls = CHUNKED_ATTENTION
+        config.fused_spec_config.draft_config.prefill_in_calls = in_calls  # before NxDI builds the draft (this
+        # model's own copy of the config)
         super().__init__(config)
         self.in_calls = in_calls
 
@@ -148,21 +124,16 @@ class M3FusedSpecModel(NeuronFusedSpecModel):
         target = self.target_model(input_ids, attention_mask, position_ids, seq_ids, sampling_params)
         last, states = target[-2], target[-1]  # the last real token's state; every position's [B, T, 3H]
         start, real = position_ids[:, :1], attention_mask.sum(dim=1, keepdim=True)
-        first = start == 0
-        t = input_ids.shape[1]
-        # a prompt's first call, as NxDI's: entry j reads token j + 1 at position j; the last real entry's token
-        # and position are placeholders (the next call or the first fused step rewrites that entry)
-        shift = (torch.arange(t, device=input_ids.device) + 1).remainder(t).expand_as(input_ids)
-        placeholder = torch.scatter(position_ids, 1, (real - 1).clamp(min=0).to(torch.int64), torch.zeros_like(start))
-        # a later call at p0: entry j reads token p0 + j at position p0 - 1 + j and the state of p0 - 1 + j, the
-        # first from the rolling buffer (set by the previous call at its next position, p0)
+        # draft entry j: token p0 + j with the target's state at p0 + j - 1, at position p0 + j - 1 (the first state
+        # from the rolling buffer, where the previous call left it at its next position p0). Entry 0 completes the
+        # previous call's last real entry; this call's own is completed by the next call or the first fused step's
+        # catch-up. A prompt's first call has no entry -1: the draft's cache writes its entry 0 (token 0, no state)
+        # at the call's end instead (kv_cache.DraftKVCacheManager), a slot written again before it is read.
         prev = self.hidden_state_rolling_buffer.get_state(seq_ids, start)
-        draft_ids = torch.where(first, torch.gather(input_ids, 1, shift), input_ids)
-        draft_pos = torch.where(first, placeholder, position_ids - 1)
-        hidden = torch.where(first.unsqueeze(-1), states, torch.cat([prev.to(states.dtype), states[:, :-1]], dim=1))
-        draft = self.draft_model(draft_ids, attention_mask, draft_pos, seq_ids, sampling_params, hidden)
+        hidden = torch.cat([prev.to(states.dtype), states[:, :-1]], dim=1)
+        draft = self.draft_model(input_ids, attention_mask, position_ids - 1, seq_ids, sampling_params, hidden)
         # a row whose prompt ended in an earlier call keeps its rolling-buffer state (rewritten with itself)
-        kept = self.hidden_state_rolling_buffer.get_state(seq_ids, start + real)
+        kept = self.hidden_state_rolling_buffer.get_state(seq_ids, (start + real).to(start.dtype))
         last = torch.where((real > 0).unsqueeze(-1), last, kept.to(last.dtype))
         n = 1 if not self.neuron_config.output_logits else 2
         if self.neuron_config.output_logits:

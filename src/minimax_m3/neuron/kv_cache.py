@@ -24,8 +24,8 @@ the rank's residue of its tokens at slots ``start/G ..`` of rows ``seq_ids`` (co
 decode step writes each row's token on the rank that owns its position (``ops.sharded.write_token``); reads slice a
 decode bucket ``b`` to ``b / G`` slots. :meth:`prior` hands the attention the rows' whole lines in context encoding.
 
-:class:`DraftKVCacheManager`: the same call writes and reads (:class:`CallWrites`) for the EAGLE3 draft of a fused
-build whose prompts take several calls (``neuron.eagle``), on NxDI's own cache otherwise.
+:class:`DraftKVCacheManager`: the same call writes (:class:`CallWrites`) for the EAGLE3 draft of a fused build whose
+prompts take several calls (``neuron.eagle``), on NxDI's own cache otherwise.
 """
 
 from __future__ import annotations
@@ -79,13 +79,18 @@ class CallWrites:
 
 
 class DraftKVCacheManager(CallWrites, KVCacheManager):
-    """NxDI's cache of the EAGLE3 draft in a fused build whose prompts take several calls: a context-encoding call
-    written at its first position (:class:`CallWrites`; NxDI's writes a call from slot 0), the rest NxDI's."""
+    """NxDI's cache of the EAGLE3 draft in a fused build whose prompts take several calls (``neuron.eagle``): a
+    context-encoding call written at its first position (:class:`CallWrites`; NxDI's writes a call from slot 0), the
+    rest NxDI's. A call at position ``-1`` (a prompt's first: its entry 0 has no target state) is written from slot 0
+    rotated by one, entry 0 on the call's last slot, which the next call (or a fused step, past the prompt) writes
+    again before anything reads it."""
 
     def update_cache(self, is_for_context_encoding: bool, seq_ids, position_ids, new_key_values, seq_len: int,
                      *args, **kwargs):
         if is_for_context_encoding:
-            return self.write_call(seq_ids, position_ids, new_key_values)
+            first = (position_ids[:, :1] < 0).view(-1, 1, 1, 1)
+            new = [[torch.where(first, x.roll(-1, dims=2), x) for x in kv] for kv in new_key_values]
+            return self.write_call(seq_ids, position_ids.clamp(min=0), new)
         return super().update_cache(is_for_context_encoding, seq_ids, position_ids, new_key_values, seq_len, *args,
                                     **kwargs)
 
