@@ -307,20 +307,20 @@ class Engine:
         """One speculative step of the ``active`` slots: draft, verify in one target forward per row, append the
         accepted drafts and the token after them (fewer drafts where fewer tokens remain to generate)."""
         p, seqs = self.provider, [slots[r] for r in active]
-        ks = [min(self.speculative_tokens, gen.max_new_tokens - len(s.tokens) - 1) for s in seqs]
-        qs: list[list] = [[] for _ in seqs]
-
-        def choose(i: int, j: int, logits: torch.Tensor) -> int:
-            tok, q = speculative.propose(logits, gen, seqs[i].seed, seqs[i].pos + 1 + j)
-            qs[i].append(q)
-            return tok
-
         t1 = time.perf_counter()
         lasts, positions = [s.tokens[-1] for s in seqs], [s.pos for s in seqs]
         if hasattr(p, "speculate"):  # drafted, verified and accepted in one device call (k drafts per row)
             emitted = p.speculate(active, lasts, positions)
             steps = [(self.speculative_tokens, len(e) - 1, e, None) for e in emitted]
         else:
+            ks = [min(self.speculative_tokens, gen.max_new_tokens - len(s.tokens) - 1) for s in seqs]
+            qs: list[list] = [[] for _ in seqs]
+
+            def choose(i: int, j: int, logits: torch.Tensor) -> int:
+                tok, q = speculative.propose(logits, gen, seqs[i].seed, seqs[i].pos + 1 + j)
+                qs[i].append(q)
+                return tok
+
             drafts = p.propose(active, lasts, positions, ks, choose)
             verified = p.verify(active, [[t] + d for t, d in zip(lasts, drafts)], positions)
             # per row: logits [k + 1, vocab], or a StepOutput whose token_ids the device chose (on-device sampling)
