@@ -1,8 +1,8 @@
 """Chunked prefill through the NxDI port in CPU mode (issue 23): an engine built with ``EngineSpec(prefill_chunk=32)``
 prefills a prompt in calls of at most 32 tokens through NxDI's one context-encoding graph (the context buckets end at
-the chunk), the application's ``forward`` running the loop (``neuron.model.prefill_in_chunks``), each call reading the
-cache lines the earlier calls wrote (K/V and index-K) and writing its chunk at ``p0``; graded against the reference
-engine's ONE-SHOT prefill (the golden, float32) and its decode, with the indexer dropping blocks.
+the chunk), the application's ``forward`` running the loop (``neuron.chunk_loop.prefill_in_chunks``), each call
+reading the cache lines the earlier calls wrote (K/V and index-K) and writing its chunk at ``p0``; graded against the
+reference engine's ONE-SHOT prefill (the golden, float32) and its decode, with the indexer dropping blocks.
 
 The two numeric tests need the attention to read the rows' prior cache in context encoding (``neuron.attention`` /
 ``neuron.kv_cache``); the call pattern and the refusals do not.

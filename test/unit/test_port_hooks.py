@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 NEURON = Path(__file__).resolve().parents[2] / "src" / "minimax_m3" / "neuron"
-MODEL_FILES = ("model.py", "attention.py", "moe.py", "kv_cache.py", "layers.py", "sampling.py", "eagle.py")
+MODEL_FILES = ("model.py", "chunk_loop.py", "attention.py", "moe.py", "kv_cache.py", "layers.py", "sampling.py",
+               "eagle.py")
 
 HOOKS = {  # private names of NxD / NxDI / torch that the model files may use, and why
     "_model_cls": "NxDI's application -> traced model class attribute (qwen3_moe and gpt_oss set it too)",

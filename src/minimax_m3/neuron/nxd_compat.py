@@ -2,9 +2,10 @@
 
 Each entry names the SDK version it targets (Neuron SDK 2.29: NxDI 0.9 at 4bcdc54, NxD 0.18 "Release 2.29") and
 the upstream file and function whose behaviour it works around, so a newer SDK is checked here first. The model files
-(``model.py``, ``attention.py``, ``moe.py``, ``kv_cache.py``, ``layers.py``, ``sampling.py``) override NxDI's hooks
-only, as NxDI's in-tree ``qwen3_moe`` and ``gpt_oss`` do, and call these by name; ``test/unit/test_port_hooks.py``
-keeps them that way (no ``__class__`` assignment, no environment variables, no private NxD/NxDI attribute).
+(``model.py``, ``chunk_loop.py``, ``attention.py``, ``moe.py``, ``kv_cache.py``, ``layers.py``, ``sampling.py``,
+``eagle.py``) override NxDI's hooks only, as NxDI's in-tree ``qwen3_moe`` and ``gpt_oss`` do, and call these by
+name; ``test/unit/test_port_hooks.py`` keeps them that way (no ``__class__`` assignment, no environment variables, no
+private NxD/NxDI attribute).
 
 Needs NxD (module-level imports). ``sharded.py`` and ``trace.py``, which import without the SDK, import it inside
 their functions. The vllm-neuron 0.4.1 adaptations live in ``neuron/vllm/defaults.py`` (the vLLM plugin imports

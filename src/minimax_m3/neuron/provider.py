@@ -6,8 +6,8 @@ to the smallest context-encoding bucket that holds it (``get_target_bucket``, fi
 so a prompt exactly one bucket long takes the next bucket unless it is the largest). Buckets are on by default:
 powers of two from 128 below ``max_context_length`` (or the prefill chunk, when shorter), and that length itself
 (``spec.context_buckets``). A call wider than the prefill chunk (``spec.prefill_chunk``) is run by the application's
-``forward`` as successive calls of at most one chunk (``neuron.model.prefill_in_chunks``; vllm-neuron's whole-prompt
-calls take the same loop), each reading the cache the earlier ones wrote.
+``forward`` as successive calls of at most one chunk (``neuron.chunk_loop.prefill_in_chunks``; vllm-neuron's
+whole-prompt calls take the same loop), each reading the cache the earlier ones wrote.
 
 Batching. With ``batch_size > 1`` the engine batches continuously, as NxDI does for vLLM
 (``is_continuous_batching``, ``ctx_batch_size=1``): each request is prefilled alone into its own cache row
