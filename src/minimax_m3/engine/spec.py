@@ -22,8 +22,7 @@ from .._atomic import write_atomic
 from ..config.m3 import ConfigError, M3Config
 from ..errors import M3Error
 from .buckets import (  # noqa: F401  (re-exported: compile, neuron.config and the tests import them from here)
-    DEFAULT_CONTEXT_BUCKETS, bucket_problems, chunk_problems, context_buckets, default_buckets,
-    token_buckets,
+    DEFAULT_CONTEXT_BUCKETS, bucket_problems, chunk_problems, context_buckets, default_buckets, token_buckets,
 )
 
 BACKENDS = ("reference", "neuron", "neuron-cpu")

@@ -10,7 +10,6 @@ import inspect
 import torch
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
 
-from . import nxd_compat
 
 # NxDI's forward arguments in order (positional calls are bound to their names before the chunk loop slices them)
 FORWARD_ARGS = tuple(inspect.signature(NeuronBaseForCausalLM.forward).parameters)[1:]
@@ -18,7 +17,7 @@ FORWARD_ARGS = tuple(inspect.signature(NeuronBaseForCausalLM.forward).parameters
 
 def prefill_in_chunks(app, forward, kw: dict):
     """``forward(**kw)`` (NxDI's), or for a prefill wider than ``prefill_chunk`` C: successive calls on the slices
-    ``[:, p0:p0+C]`` of ``input_ids`` / ``attention_mask`` (NxDI's inferred one when none is given: vllm-neuron) /
+    ``[:, p0:p0+C]`` of ``input_ids`` / ``attention_mask`` (given, or inferred by the application's ``forward``) /
     ``position_ids``, each writing its chunk into the rows' cache lines at ``p0`` and attending to what the earlier
     calls wrote, returning what one call over the whole prompt returns: per row the last-token logits or token ids
     from the call holding its last real token (right padding), all-position logits concatenated
@@ -28,9 +27,7 @@ def prefill_in_chunks(app, forward, kw: dict):
     chunk, ids, pos = app.neuron_config.prefill_chunk, kw.get("input_ids"), kw.get("position_ids")
     if not chunk or ids is None or pos is None or ids.shape[-1] <= chunk or not app._is_prefill(pos):
         return forward(**kw)
-    mask = kw.get("attention_mask")
-    if mask is None:
-        mask = nxd_compat.infer_attention_mask(app, pos)
+    mask = kw["attention_mask"]  # the application's forward infers one where none is given (vllm-neuron)
     b, n = ids.shape
     holder = (mask.sum(dim=1).clamp(min=1) - 1) // chunk  # the call holding each row's last real token
     outs, widths = [], []

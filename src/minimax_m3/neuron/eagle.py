@@ -135,10 +135,9 @@ class M3FusedSpecModel(NeuronFusedSpecModel):
         # a row whose prompt ended in an earlier call keeps its rolling-buffer state (rewritten with itself)
         kept = self.hidden_state_rolling_buffer.get_state(seq_ids, (start + real).to(start.dtype))
         last = torch.where((real > 0).unsqueeze(-1), last, kept.to(last.dtype))
-        n = 1 if not self.neuron_config.output_logits else 2
-        if self.neuron_config.output_logits:
-            return [draft[0], target[0], draft[1], target[1], *draft[n:-2], *target[n:-2], last]
-        return [draft[0], target[0], *draft[n:-2], *target[n:-2], last]
+        n = 2 if self.neuron_config.output_logits else 1  # tokens (and logits), then the caches (NxDI's order)
+        heads = [x for i in range(n) for x in (draft[i], target[i])]
+        return [*heads, *draft[n:-2], *target[n:-2], last]
 
     def _cte_postprocessor(self, context_outs, input_ids, attention_mask, position_ids, speculation_length,
                            num_queries=None, computed_context_lens=None):

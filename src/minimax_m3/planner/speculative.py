@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import sharding
 from ..config.draft import DraftConfig
 from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, PEAK_FLOPS_PER_S, _per_token_flops, collectives, decode_minimum_bytes
@@ -104,10 +105,8 @@ def draft_heads(dc: DraftConfig, tp: int) -> tuple[int, int]:
     multiple of ``tp``; the KV heads of an MHA draft as the queries; of a GQA draft ``kv / tp`` where ``tp`` divides
     them, one where they divide ``tp`` (REPLICATE_TO_TP_DEGREE), else as the padded queries (CONVERT_TO_MHA). 48 MHA
     heads at TP 64: one of each per rank (the traced graph's)."""
-    q, kv = -(-dc.num_heads // tp), dc.num_kv_heads
-    if kv == dc.num_heads or (kv % tp and tp % kv):
-        return q, q
-    return q, kv // tp if kv >= tp else 1
+    q, kv = -(-dc.num_heads // tp), sharding.heads_per_rank(dc.num_kv_heads, tp)
+    return (q, q) if dc.num_kv_heads == dc.num_heads or not kv else (q, kv)
 
 
 def draft_tensors(dc: DraftConfig, tp: int) -> dict[str, int]:
