@@ -6,11 +6,11 @@ context mask, ``get_flash_attention_strategy`` picks the sharded kernel for buck
 tp_q=True, tp_k=True)`` with q ``[B*H, S, D]`` and k, v ``[B*KV, S, D]`` (trn2's native GQA: no K/V replication).
 Traced here at M3's head counts and narrow widths (TP 64 / EP 64 / LNC 2: one query and one KV head per rank,
 D = 8) with layers dense, sparse, dense: every context-encoding graph holds one kernel call per dense layer (two; the
-sparse layer keeps ``ops.prefill_step``, so three calls or one would fail), decode graphs none, and ``hlo_cost``
+sparse layer keeps ``oracles.prefill_step``, so three calls or one would fail), decode graphs none, and ``hlo_cost``
 charges each call the kernel's tile count worked out by hand. Before: ``attn_kernel_enabled=False``, no call.
 
 This is the replicated cache layout's path (``--kv-layout replicated``: NxDI's GQA copies, a prompt in one call). With
-the port's default sequence-sharded caches every layer's context encoding runs ``ops.sharded_step.rank_attention``
+the port's default sequence-sharded caches every layer's context encoding runs ``ops.attention_step``
 over the rank's shard and the kernel is not used (docs/results.md, "Graphs of the sharded layout").
 """
 

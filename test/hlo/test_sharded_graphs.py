@@ -78,7 +78,7 @@ def test_the_layout_is_sharded_over_kv_groups_of_16(long, m3_report):
 
 
 def test_collectives_per_layer_by_hand(long):
-    """A 8192-token call and a decode step (batch 1) of 1 dense + 1 sparse layer (``ops.sharded_step.COLLECTIVES``),
+    """A 8192-token call and a decode step (batch 1) of 1 dense + 1 sparse layer (``ops.step.COLLECTIVES``),
     over the 4 groups of 16 consecutive ranks (rank r with KV head r // 16); the TP all-reduces over all 64 ranks.
     Prefill (a prompt in one call), the sparse layer: the group's 16 query heads all-gathered (bf16), the 16 ranks'
     top-16 (score, id) all-gathered, the partials all-to-all by head (f32 ``[16 ranks, 1, 1 head, T, 128 + 2]``:
@@ -165,7 +165,7 @@ def test_one_graph_serves_every_chunk_of_a_128k_prompt(chunk, long):
     states = [list(params[p["number"]].dimensions) for p in g["params"] if p["role"] == "state"]
     assert states == [[1, 1, 8192, 128]] * 4 + [[1, 8192, 128]], states  # K, V x 2 layers; index-K
     # it gathers for its 8192 queries whatever the prompt; its instruction count grows with the cache lines only
-    # through the dense layer's query tiles (ops.sharded_step.TILE_ELEMENTS over 16 heads x the rank's slots)
+    # through the dense layer's query tiles (ops.step.TILE_ELEMENTS over 16 heads x the rank's slots)
     assert g["gathered_kv"] == 8192 * 16 * 8 * 128 * 2 * 2
     short = _graph(long["sharded"], "context_encoding_model", 8192)
     print(f"\nC = 8192 context-encoding graph, 1 dense + 1 sparse layer: {g['instructions']} HLO instructions over "

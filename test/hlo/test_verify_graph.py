@@ -22,7 +22,7 @@ hidden 6144, bf16 = 2 bytes):
 
   target <= 1.1 x, no state copies;
 * the collectives of each layer, kind, dtype, shape and bytes, over the 4 KV groups of 16 consecutive ranks: as a
-  decode step's, 2 per layer (T = 4 < ``ops.sharded_step.ONE_GATHER_TOKENS``: query heads and candidates in ONE
+  decode step's, 2 per layer (T = 4 < ``ops.step.ONE_GATHER_TOKENS``: query heads and candidates in ONE
   all-gather), at 16 tokens;
 * the draft's target states: one more output after the caches, bf16 ``[4, 4, 3 x 6144]``, aliased to no parameter;
 * FLOPs: each of the 16 tokens computed as a one-token step computes its token: the routed experts (NxD's token

@@ -1,9 +1,10 @@
-"""The reference backend prefills long prompts in calls of ``prefill_chunk`` tokens (issue 23), each call attending
-to the cache the earlier calls wrote plus itself.
+"""The reference backend prefills long prompts in calls of ``prefill_chunk`` tokens (issue 23), each call attending to
+the cache the earlier calls wrote plus itself.
 
-Oracles: the same engine prefilling each prompt in one call (float32 logits within 1e-5), and transformers' MiniMax-M3
-(``hf_tiny``, tolerance of test_reference_vs_transformers). The tiny preset has 16-token blocks and keeps 2: with
-32-token calls a 160-token prompt takes 5 calls and the indexer drops blocks from the third call on.
+Oracles: the same engine prefilling each prompt in one call (float32 logits within 5e-5: a later call sums its prior
+and its own keys' attention in two products, the one call in one; measured 1.7e-5 at 100 tokens), and transformers'
+MiniMax-M3 (``hf_tiny``, tolerance of test_reference_vs_transformers). The tiny preset has 16-token blocks and keeps
+2: with 32-token calls a 160-token prompt takes 5 calls and the indexer drops blocks from the third call on.
 """
 
 import pytest
@@ -15,7 +16,7 @@ from minimax_m3.reference.engine import ReferenceEngine
 from test.conftest import random_ids
 from test.integration.test_reference_vs_transformers import F32_TOL, hf_greedy, hf_logits
 
-TOL = 1e-5
+TOL = 5e-5
 CHUNK = 32
 
 

@@ -1,6 +1,7 @@
 """A sparse decoder layer's attention, and the routed MoE, written the way the Neuron graph runs them.
 
-Pure functions of tensors and ints around the step that ships (``ops.prefill_step`` / ``ops.decode_step``, which the
+Pure functions of tensors and ints around the step that ships (``ops.attention_step``, through :func:`prefill_step` /
+:func:`decode_step` below, which the
 reference model and the Neuron attention call): the same code runs eagerly on the CPU (the oracle) and traced on the
 XLA device. Caches are inputs and outputs (the graph aliases them on Neuron), written after the step as the backends
 write them.
@@ -9,11 +10,29 @@ write them.
 import torch
 
 from minimax_m3 import ops
+from test.support import oracles
 
 # A small geometry in which the indexer really drops blocks: 96 tokens = 6 blocks of 16, top-2 kept.
 HQ, HKV, D, ROT, DI, BS, TOPK, TILE, EPS, THETA = 4, 2, 16, 8, 16, 16, 2, 32, 1e-6, 10000.0
 HID = 32
 SEL = ops.Selection(BS, TOPK)
+
+
+def prefill_step(q, k, v, scale, tile, sel=None, iq=None, ik=None):
+    """A prefill from position 0 through the step that ships: the call's own keys, no prior, one rank."""
+    b, t = q.shape[0], q.shape[2]
+    start = torch.zeros(b, dtype=torch.int64, device=q.device)
+    q_pos = torch.arange(t, device=q.device).view(1, t).expand(b, t)
+    act = ops.call_active(k, v, ik, start, 0, 1)
+    return ops.attention_step(q, None, None, act, q_pos, start, 0, ops.Alone(), scale, sel, iq, None, tile=tile)
+
+
+def decode_step(q, k_cache, v_cache, k, v, pos, scale, sel=None, iq=None, ik_cache=None, ik=None):
+    """One token per row at ``pos [B]`` through the step that ships: the prior caches plus the active token."""
+    q_pos = pos.view(-1, 1).to(torch.int64)
+    act = ops.token_active(k, v, ik, q_pos, 0, 1)
+    return ops.attention_step(q, k_cache, v_cache, act, q_pos, q_pos[:, 0], 0, ops.Alone(), scale, sel, iq,
+                              ik_cache)
 
 
 def make_params(gen: torch.Generator) -> dict:
@@ -55,7 +74,7 @@ def sparse_prefill(p: dict, x: torch.Tensor, k_cache, v_cache, ik_cache):
     b, s, _ = x.shape
     pos = torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)
     q, k, v, iq, ik = project(p, x, pos)
-    attn = ops.prefill_step(q, k, v, D ** -0.5, TILE, SEL, iq, ik)
+    attn = prefill_step(q, k, v, D ** -0.5, TILE, SEL, iq, ik)
     out = attn.transpose(1, 2).reshape(b, s, HQ * D) @ p["wo"].t()
     k_cache = ops.write_positions(k_cache, k, pos, seq_dim=2)
     v_cache = ops.write_positions(v_cache, v, pos, seq_dim=2)
@@ -71,8 +90,8 @@ def sparse_decode(p: dict, x: torch.Tensor, pos: torch.Tensor, k_cache, v_cache,
     b = x.shape[0]
     pos2 = pos.view(b, 1)
     q, k, v, iq, ik = project(p, x, pos2)
-    attn = ops.decode_step(q, k_cache, v_cache, k, v, pos, D ** -0.5, SEL, iq, ik_cache, ik)
-    blocks = ops.select_blocks_prior_active(iq, ik_cache, ik, pos, BS, TOPK)
+    attn = decode_step(q, k_cache, v_cache, k, v, pos, D ** -0.5, SEL, iq, ik_cache, ik)
+    blocks = oracles.select_blocks_prior_active(iq, ik_cache, ik, pos, BS, TOPK)
     out = attn.transpose(1, 2).reshape(b, 1, HQ * D) @ p["wo"].t()
     k_cache = ops.write_positions(k_cache, k, pos2, seq_dim=2)
     v_cache = ops.write_positions(v_cache, v, pos2, seq_dim=2)
@@ -84,7 +103,7 @@ def dense_decode(p: dict, x, pos, k_cache, v_cache):
     """The same step attending to every cached key (to show the sparse step really differs)."""
     b = x.shape[0]
     q, k, v, _, _ = project(p, x, pos.view(b, 1))
-    attn = ops.decode_step(q, k_cache, v_cache, k, v, pos, D ** -0.5)
+    attn = decode_step(q, k_cache, v_cache, k, v, pos, D ** -0.5)
     return attn.transpose(1, 2).reshape(b, 1, HQ * D) @ p["wo"].t()
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minimax_m3 import ops
+from test.support import oracles
 
 TOL = dict(rtol=0, atol=2e-6)
 B, HQ, HKV, D, DI, G = 2, 8, 2, 16, 8, 2
@@ -34,7 +35,7 @@ def test_attend_prior_active_is_one_softmax_over_kept_keys_and_active_key_by_han
     q, kc, vc, k_new, v_new, *_ = _setup(0, s, [5, 11])
     g = torch.Generator().manual_seed(9)
     keep = torch.rand(B, HKV, 1, s, generator=g) > 0.5
-    got = ops.attend_prior_active(q, kc, vc, keep, k_new, v_new, scale)
+    got = oracles.attend_prior_active(q, kc, vc, keep, k_new, v_new, scale)
     r = HQ // HKV
     for b in range(B):
         for h in range(HQ):
@@ -50,8 +51,8 @@ def test_attend_prior_active_is_one_softmax_over_kept_keys_and_active_key_by_han
 @pytest.mark.parametrize("pos", [[0, 7], [16, 31], [40, 63], [17, 48]])
 def test_dense_prior_active_equals_write_then_attend(pos):
     q, kc, vc, k_new, v_new, _, _, _, q_pos, (kw, vw, _) = _setup(1, 64, pos)
-    got = ops.decode_dense_prior_active(q, kc, vc, k_new, v_new, q_pos, 0.25)
-    want = ops.decode_attention_dense(q, kw, vw, q_pos, 0.25)
+    got = oracles.decode_dense_prior_active(q, kc, vc, k_new, v_new, q_pos, 0.25)
+    want = oracles.decode_attention_dense(q, kw, vw, q_pos, 0.25)
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -61,8 +62,8 @@ def test_selection_on_prior_index_keys_plus_active_key_is_identical(pos, init_bl
     bs, topk, s = 16, 3, 128
     _, _, _, _, _, ikc, ik_new, iq, q_pos, (_, _, iw) = _setup(2, s, pos)
     sel = dict(block_size=bs, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks)
-    got = ops.select_blocks_prior_active(iq, ikc, ik_new, q_pos, **sel)
-    want = ops.select_blocks_for_queries(iq, iw, q_pos.view(B, 1), **sel)[:, :, 0]
+    got = oracles.select_blocks_prior_active(iq, ikc, ik_new, q_pos, **sel)
+    want = oracles.select_blocks_for_queries(iq, iw, q_pos.view(B, 1), **sel)[:, :, 0]
     assert got.shape == want.shape == (B, G, topk)
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
 
@@ -75,7 +76,7 @@ def test_selection_takes_the_active_key_into_its_own_block_without_forcing():
     iq = torch.tensor([[1.0, 0.0]]).view(1, 1, 1, 2)
     q_pos = torch.tensor([9])  # own block 2; block 1 scores 0, block 2's prior slot 8 scores 0
     strong, weak = torch.tensor([[[5.0, 0.0]]]), torch.tensor([[[-5.0, 0.0]]])
-    pick = lambda new: ops.select_blocks_prior_active(iq, ikc, new, q_pos, bs, topk=1, local_blocks=0)  # noqa: E731
+    pick = lambda new: oracles.select_blocks_prior_active(iq, ikc, new, q_pos, bs, topk=1, local_blocks=0)  # noqa: E731
     assert pick(strong).tolist() == [[[2]]]
     assert pick(weak).tolist() == [[[0]]]
 
@@ -84,11 +85,11 @@ def test_selection_takes_the_active_key_into_its_own_block_without_forcing():
 def test_sparse_prior_active_equals_write_then_attend_on_the_same_blocks(pos):
     bs, topk, s = 16, 3, 128
     q, kc, vc, k_new, v_new, ikc, ik_new, iq, q_pos, (kw, vw, iw) = _setup(3, s, pos)
-    blocks = ops.select_blocks_prior_active(iq, ikc, ik_new, q_pos, bs, topk)
-    got = ops.decode_sparse_prior_active(q, kc, vc, k_new, v_new, q_pos, blocks, bs, 0.25)
-    want = ops.decode_attention_sparse(q, kw, vw, q_pos, blocks, bs, 0.25)
+    blocks = oracles.select_blocks_prior_active(iq, ikc, ik_new, q_pos, bs, topk)
+    got = oracles.decode_sparse_prior_active(q, kc, vc, k_new, v_new, q_pos, blocks, bs, 0.25)
+    want = oracles.decode_attention_sparse(q, kw, vw, q_pos, blocks, bs, 0.25)
     torch.testing.assert_close(got, want, **TOL)
-    dense = ops.decode_attention_dense(q, kw, vw, q_pos, 0.25)
+    dense = oracles.decode_attention_dense(q, kw, vw, q_pos, 0.25)
     assert (got - dense).abs().max() > 1e-3  # the geometry really drops blocks here
 
 
@@ -97,13 +98,13 @@ def test_a_bucket_of_at_most_topk_blocks_is_dense_causal_decode():
     block up to the query's, so sparse decode equals dense causal decode."""
     bs, topk, s = 16, 4, 64
     q, kc, vc, k_new, v_new, ikc, ik_new, iq, q_pos, (kw, vw, iw) = _setup(4, s, [3, 63])
-    blocks = ops.select_blocks_for_queries(iq, iw, q_pos.view(B, 1), bs, topk)[:, :, 0]
-    sparse = ops.decode_attention_sparse(q, kw, vw, q_pos, blocks, bs, 0.25)
-    torch.testing.assert_close(ops.decode_dense_prior_active(q, kc, vc, k_new, v_new, q_pos, 0.25), sparse, **TOL)
+    blocks = oracles.select_blocks_for_queries(iq, iw, q_pos.view(B, 1), bs, topk)[:, :, 0]
+    sparse = oracles.decode_attention_sparse(q, kw, vw, q_pos, blocks, bs, 0.25)
+    torch.testing.assert_close(oracles.decode_dense_prior_active(q, kc, vc, k_new, v_new, q_pos, 0.25), sparse, **TOL)
 
 
 def test_bfloat16_within_rounding_of_float32():
     q, kc, vc, k_new, v_new, _, _, _, q_pos, _ = _setup(5, 64, [20, 63])
-    f32 = ops.decode_dense_prior_active(q, kc, vc, k_new, v_new, q_pos, 0.25)
-    bf = ops.decode_dense_prior_active(*(t.bfloat16() for t in (q, kc, vc, k_new, v_new)), q_pos, 0.25)
+    f32 = oracles.decode_dense_prior_active(q, kc, vc, k_new, v_new, q_pos, 0.25)
+    bf = oracles.decode_dense_prior_active(*(t.bfloat16() for t in (q, kc, vc, k_new, v_new)), q_pos, 0.25)
     torch.testing.assert_close(bf.float(), f32, rtol=0, atol=3e-2)

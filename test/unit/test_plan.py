@@ -3,8 +3,8 @@
 import pytest
 
 from minimax_m3.config import M3Config
-from minimax_m3.planner import (GIB, PlanError, attention_chunk_bytes, decode_floor_ms, decode_minimum_bytes, main,
-                                    plan, prefill_chunk, prefill_flops, weight_bytes)
+from minimax_m3.planner import (GIB, PlanError, attention_tile_bytes, decode_floor_ms, decode_minimum_bytes, main,
+                                    plan, prefill_tile, prefill_flops, weight_bytes)
 
 M3 = M3Config.preset("m3")
 
@@ -71,16 +71,16 @@ def test_prefill_working_memory_by_hand():
     router = 2 * t * 128 * 4
     rows = (t * 4 // 512 + 2 - 1) * 512  # 17 blocks of 512 rows
     moe = router + rows * (2 * 6144 + 2 * 3072) * 2
-    assert dict(p.phases) == {"attention chunk": attention, "MoE": moe} and moe > attention
+    assert dict(p.phases) == {"attention tile": attention, "MoE": moe} and moe > attention
     logits = 3126 * 4
     assert p.prefill_bytes == hidden + proj + moe + logits == 426_782_936
 
 
 def test_prefill_attention_chunk_at_32k_by_hand():
     # the port's chunk at 32K: 8 chunks of 4096 queries (the cap); 64K would take 16 chunks of 4096
-    assert prefill_chunk(M3, 32768) == 4096 and prefill_chunk(M3, 65536) == 4096 and prefill_chunk(M3, 8192) == 1024
-    assert prefill_chunk(M3, 6000) == 768 and prefill_chunk(M3, 1000) == 128  # ceil(S / 8) in whole 128-token blocks
-    a = attention_chunk_bytes(M3, 64, 32768)
+    assert prefill_tile(M3, 32768) == 4096 and prefill_tile(M3, 65536) == 4096 and prefill_tile(M3, 8192) == 1024
+    assert prefill_tile(M3, 6000) == 768 and prefill_tile(M3, 1000) == 128  # ceil(S / 8) in whole 128-token blocks
+    a = attention_tile_bytes(M3, 64, 32768)
     # rank 0 of TP 64: 1 query head, 1 KV head, 1 index head; the last chunk's 4096 queries each gather 16 blocks
     # of 128 keys x 128 dims of K and of V (bf16), score them (fp32 scores + probabilities), and the indexer
     # scores the chunk against all 32768 keys (fp32), pools them to 256 blocks (fp32) and keeps 16 ids (int64)
@@ -97,12 +97,12 @@ def test_prefill_attention_chunk_at_32k_by_hand():
     p = plan(M3, 64, 64, batch=1, seq=32768, layout="replicated")
     moe = 2 * 32768 * 128 * 4 + (32768 * 4 // 512 + 1) * 512 * (2 * 6144 + 2 * 3072) * 2
     # at 32K the chunk (4.57 GiB) is just above the MoE buffers (4.55 GiB): it is the phase that counts
-    assert dict(p.phases) == {"attention chunk": 4_903_665_664, "MoE": moe} and moe < 4_903_665_664
+    assert dict(p.phases) == {"attention tile": 4_903_665_664, "MoE": moe} and moe < 4_903_665_664
     persistent = 4 * 32768 * 6144 * 2 + 32768 * 6 * 128 * 2 + 3126 * 4
     assert p.prefill_bytes == persistent + max(moe, 4_903_665_664)
     # a smaller cap is modelled as the port would run it: 1024-query chunks gather a quarter of the K/V
-    assert attention_chunk_bytes(M3, 64, 32768, chunk=1024)["gathered K and V"] == 2 ** 30
-    assert plan(M3, 64, 64, batch=1, seq=32768, max_chunk=1024, layout="replicated").chunk == 1024
+    assert attention_tile_bytes(M3, 64, 32768, chunk=1024)["gathered K and V"] == 2 ** 30
+    assert plan(M3, 64, 64, batch=1, seq=32768, max_tile=1024, layout="replicated").chunk == 1024
 
 
 def test_verdicts():
@@ -113,8 +113,8 @@ def test_verdicts():
     assert plan(M3, 64, 64, batch=8, seq=8192, ctx_batch=1, layout="replicated").fits
     assert plan(M3, 64, 64, batch=8, seq=8192, layout="replicated") == plan(M3, 64, 64, batch=8, seq=8192,
                                                                              ctx_batch=1, layout="replicated")
-    # issue 14's long-context shapes with the port's chunks: 32K at batch 1 (4096-query chunks, 0.61 GiB headroom)
-    # and 8K at batch 8 (continuous batching, 1024-query chunks)
+    # issue 14's long-context shapes with the port's tiles: 32K at batch 1 (4096-query tiles, 0.61 GiB headroom)
+    # and 8K at batch 8 (continuous batching, 1024-query tiles)
     assert plan(M3, 64, 64, batch=1, seq=32768, layout="replicated").fits
     # 1 x 128K in bf16: ~5.6 GiB of caches on top of ~12.9 GiB of weights and the reserve
     big = plan(M3, 64, 64, batch=1, seq=131072, layout="replicated")

@@ -1,4 +1,4 @@
-"""The planner's sharded layout (issue 23): caches split over a KV group, prompts prefilled in chunks, the
+"""The planner's sharded layout (issue 23): caches split over a KV group, prompts prefilled in tiles, the
 collectives, the TTFT estimate, the largest fit and the refusals, against hand computations written out below;
 then issue 23's targets on M3's real config (TP 64 / EP 64 / LNC 2)."""
 
@@ -173,7 +173,7 @@ def test_chunk_bytes_by_hand():
         # 4 [32, 128] copies per layer; MoE rows: 32 x top-2 x 1/8 local + one 512-row block, x (2 x 128 + 2 x 64)
         "activations": 4 * 32 * 128 * 2 * 4 + (8 + 512) * (2 * 128 + 2 * 64) * 2 * 3,
     }
-    # the replicated layout: 8 query chunks of 16 (ops.chunk_for); each rank gathers whole 16-key blocks for its own
+    # the replicated layout: 8 query chunks of 16 (ops.tile_for); each rank gathers whole 16-key blocks for its own
     # head, top-2, except in the first two chunks (keys < 16 and < 32: at most 2 blocks), which ops.prefill attends
     # densely (the K/V of their keys, every layer); it scans the keys < t1 per query chunk
     rep = chunk_bytes(TINY, TP, EP, 0, 128, 128, layout="replicated")
@@ -211,7 +211,7 @@ def test_verify_collectives_by_hand():
     """A verify step of 2 rows x 3 tokens: a decode step's collectives at 6 tokens (query heads and candidates in
     ONE all-gather, fewer than ONE_GATHER_TOKENS per row), every token's logits; 16 tokens per row gather them apart,
     as a prefill call does."""
-    from minimax_m3.ops.sharded_step import ONE_GATHER_TOKENS
+    from minimax_m3.ops.step import ONE_GATHER_TOKENS
 
     assert collectives(TINY, TP, EP, 6, row_tokens=3) == collectives(TINY, TP, EP, 6)
     assert collectives(TINY, TP, EP, 6, row_tokens=3)[-1]["bytes"] == 6 * 512 * 2

@@ -1,7 +1,7 @@
 """The sequence-sharded layout (``ops.sharded``) against the unsharded ops.
 
 Oracles: the unsharded ``ops`` (``index_block_scores`` + ``select_blocks``, ``prefill_step``;
-graded against transformers in test_ops / test_prefill_chunks / test_decode_ops), a brute-force Python sort for the
+graded against transformers in test_ops / test_prefill_tiles / test_decode_ops), a brute-force Python sort for the
 tie rule, and a hand-computed combine. Block ids must be EQUAL (ties included); attention within 1e-5 (float32).
 """
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from minimax_m3 import ops
-from minimax_m3.ops import sharded as sh
-from minimax_m3.ops import sharded_step as ss
+from test.support import seq_shards as sh
+from test.support import oracles
+from minimax_m3.config import sharding
 
 TOL = dict(rtol=0, atol=1e-5)
 B, HKV, R, D, DI, BS, TOPK = 2, 2, 2, 16, 8, 16, 3
@@ -42,33 +43,33 @@ def test_chunk_and_token_writes_place_each_position_on_its_owner(group):
     for t0 in range(0, 96, chunk):  # three chunks
         want[:, :, t0:t0 + chunk] = full[:, :, t0:t0 + chunk]
         for r in range(group):
-            sh.write_chunk(shards[r], full[:, :, t0:t0 + chunk], t0, r, group, seq_dim=2)
+            sh.write_call(shards[r], full[:, :, t0:t0 + chunk], t0, r, group, seq_dim=2)
     for p in ([96, 100], [97, 101], [98, 127]):  # decode tokens at per-row positions
         pos = torch.tensor(p)
         new = torch.stack([full[i, :, p[i]:p[i] + 1] for i in range(B)])
         for i in range(B):
             want[i, :, p[i]] = full[i, :, p[i]]
         for r in range(group):
-            sh.write_token(shards[r], new, pos, r, group, seq_dim=2)
+            ops.layout.write_token(shards[r], new, pos, r, group, seq_dim=2)
     for r in range(group):  # position p on rank p % G at slot p // G
         assert torch.equal(shards[r], want[:, :, r::group]), r
-    rank, slot = sh.owner(torch.tensor([0, 5, 17]), 4)
+    rank, slot = ops.layout.owner(torch.tensor([0, 5, 17]), 4)
     assert rank.tolist() == [0, 1, 1] and slot.tolist() == [0, 1, 4]
 
 
 def test_layout_and_chunk_rules_name_the_sizes_that_work():
-    sh.check_layout(128, 16)
-    sh.check_chunk(8192, 128, 16)
-    with pytest.raises(sh.LayoutError, match=r"\[1, 2, 4, 8, 16\]"):
-        sh.check_layout(16, 3)
-    with pytest.raises(sh.LayoutError, match=r"multiple of 128.*\[128, 256\]"):
-        sh.check_chunk(200, 128, 16)
-    with pytest.raises(sh.LayoutError, match=r"multiple of 48.*\[48\]"):
-        sh.check_chunk(20, 16, 3)
+    sharding.check_layout(128, 16)
+    sharding.check_call(8192, 128, 16)
+    with pytest.raises(sharding.LayoutError, match=r"\[1, 2, 4, 8, 16\]"):
+        sharding.check_layout(16, 3)
+    with pytest.raises(sharding.LayoutError, match=r"multiple of 128.*\[128, 256\]"):
+        sharding.check_call(200, 128, 16)
+    with pytest.raises(sharding.LayoutError, match=r"multiple of 48.*\[48\]"):
+        sharding.check_call(20, 16, 3)
     with pytest.raises(ValueError):  # a LayoutError is a ValueError and an M3Error
-        sh.check_chunk(0, 128, 16)
-    with pytest.raises(sh.LayoutError, match="multiples of 4"):
-        sh.write_chunk(torch.zeros(1, 8, 2), torch.zeros(1, 4, 2), 2, 0, 4, seq_dim=1)
+        sharding.check_call(0, 128, 16)
+    with pytest.raises(sharding.LayoutError, match="multiples of 4"):
+        sh.write_call(torch.zeros(1, 8, 2), torch.zeros(1, 4, 2), 2, 0, 4, seq_dim=1)
 
 
 # ---- selection -----------------------------------------------------------------------------------------------
@@ -150,8 +151,8 @@ def test_combine_by_hand():
     outs = torch.tensor([1.0, 5.0, 0.0]).view(3, 1, 1, 1, 1)
     maxes = torch.tensor([0.0, math.log(3.0), float("-inf")]).view(3, 1, 1, 1)
     sums = torch.tensor([1.0, 1.0, 0.0]).view(3, 1, 1, 1)
-    assert sh.combine_weights(maxes, sums).flatten().tolist() == pytest.approx([0.25, 0.75, 0.0])
-    assert sh.combine(outs, maxes, sums).item() == pytest.approx(0.25 * 1 + 0.75 * 5)
+    assert ops.combine_weights(maxes, sums).flatten().tolist() == pytest.approx([0.25, 0.75, 0.0])
+    assert ops.combine(outs, maxes, sums).item() == pytest.approx(0.25 * 1 + 0.75 * 5)
 
 
 def _model_inputs(s, seed):
@@ -166,9 +167,9 @@ def _attend(q, k, v, q_pos, group, scale, blocks):
     tq, start = q.shape[2], q_pos[:, 0]
     parts = []
     for r, (kr, vr) in enumerate(zip(sh.shard(k, group, 2), sh.shard(v, group, 2))):
-        act = ss.token_active(k[:, :, -tq:], v[:, :, -tq:], None, q_pos, r, group)
-        parts.append(ss.partial_attention(q, kr, vr, act, q_pos, start, r, group, scale, blocks, BS))
-    return sh.combine(*(torch.stack(x) for x in zip(*parts)))
+        act = ops.token_active(k[:, :, -tq:], v[:, :, -tq:], None, q_pos, r, group)
+        parts.append(ops.step.partial_attention(q, kr, vr, act, q_pos, start, r, group, scale, blocks, BS))
+    return ops.combine(*(torch.stack(x) for x in zip(*parts)))
 
 
 @pytest.mark.parametrize("group", [4, 16])
@@ -182,7 +183,7 @@ def test_partial_attention_reads_only_its_keys_of_the_selected_blocks(group):
     sel = ops.Selection(BS, TOPK, 0, 1)
     blocks = _unsharded_blocks(iq[:, :, -tq:], ik, q_pos, sel)
     want = _attend(q[:, :, -tq:], k, v, q_pos, group, scale, blocks)
-    oracle = ops.prefill_step(q[:, :, -tq:], k, v, scale, tq, sel, iq[:, :, -tq:], ik, start=s - tq)
+    oracle = oracles.prefill_step(q[:, :, -tq:], k, v, scale, tq, sel, iq[:, :, -tq:], ik, start=s - tq)
     torch.testing.assert_close(want, oracle, **TOL)
     k2, v2 = k.clone(), v.clone()
     for i in range(B):
@@ -214,9 +215,9 @@ def test_gathered_bytes_are_counted_from_the_gathers():
     q_pos = torch.arange(s - tq, s).expand(B, tq)
     blocks = _unsharded_blocks(iq[:, :, -tq:], ik, q_pos, ops.Selection(BS, TOPK))
     shards = sh.shard(k.bfloat16(), group, 2), sh.shard(v.bfloat16(), group, 2)
-    act = ss.token_active(k[:, :, -tq:].bfloat16(), v[:, :, -tq:].bfloat16(), None, q_pos, 1, group)
+    act = ops.token_active(k[:, :, -tq:].bfloat16(), v[:, :, -tq:].bfloat16(), None, q_pos, 1, group)
     with Gathers():
-        ss.partial_attention(q[:, :, -tq:].bfloat16(), shards[0][1], shards[1][1], act, q_pos, q_pos[:, 0], 1, group,
-                             0.25, blocks, BS)
+        ops.step.partial_attention(q[:, :, -tq:].bfloat16(), shards[0][1], shards[1][1], act, q_pos, q_pos[:, 0], 1,
+                                   group, 0.25, blocks, BS)
     assert Gathers.nbytes == B * HKV * sh.gathered_kv_bytes(tq, TOPK, BS, group, D, 2)
     assert sh.gathered_kv_bytes(16, 16, 128, 16, 128, 2) == 2 ** 20

@@ -1,7 +1,7 @@
 """The sharding plan against NxD's semantics, on cases computed by hand.
 
 NxD (``neuronx_distributed``, ``trace.create_local_weight`` and ``parallel_state.get_experts_for_expert_parallel_rank``;
-NxDI ``GQA.REPLICATE_TO_TP_DEGREE``): split into ``size / world / stride`` chunks, rank ``r`` takes chunks ``r::world``;
+NxDI ``GQA.REPLICATE_TO_TP_DEGREE``): split into ``size / world / stride`` tiles, rank ``r`` takes chunks ``r::world``;
 EP rank ``e`` holds experts ``[e*E/ep, (e+1)*E/ep)``; with more ranks than KV heads rank ``r`` uses KV head
 ``r // (world / kv_heads)``.
 """

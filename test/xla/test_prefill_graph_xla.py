@@ -4,7 +4,7 @@ to neuronx-cc) with ``minimax-m3 graphs``' own counter (``neuron.hlo_cost``):
 * attention dot FLOPs <= 1.5x the block-sparse analytic ``S x topk x block x D x 4`` per query head, and indexer dot
   FLOPs <= 1.5x the all-keys analytic ``S^2 x Di x 2`` per index head (a dense-masked prefill does ``S^2 / 2`` keys
   per query: 8x the analytic at these shapes);
-* with a constant number of query chunks (``ops.chunk_for``) the graph does not grow with the prompt: the module at
+* with a constant number of query tiles (``ops.tile_for``) the graph does not grow with the prompt: the module at
   2048 tokens has at most 1.2x the instructions of the one at 512.
 """
 
@@ -21,6 +21,7 @@ from minimax_m3 import ops
 from minimax_m3.graphs import hlo_cost, hlo_schema
 
 from .conftest import torch_xla
+from test.support import layer_functions as L
 
 B, HQ, G, D, DI, BS, TOPK, CHUNKS = 1, 2, 1, 16, 16, 32, 2, 4  # every chunk sparse at both lengths
 SEL = ops.Selection(BS, TOPK)
@@ -33,7 +34,7 @@ def _figures(s: int) -> dict:
     gen = torch.Generator().manual_seed(s)
     q, k, v = (torch.randn(B, n, s, D, generator=gen).to(dev) for n in (HQ, G, G))
     iq, ik = torch.randn(B, G, s, DI, generator=gen).to(dev), torch.randn(B, s, DI, generator=gen).to(dev)
-    out = ops.prefill_step(q, k, v, D ** -0.5, ops.chunk_for(s, CHUNKS, BS), SEL, iq, ik)
+    out = L.prefill_step(q, k, v, D ** -0.5, ops.tile_for(s, CHUNKS, BS), SEL, iq, ik)
     ctx = torch_xla._XLAC.lowering.LoweringContext("x")
     ctx.build([out])
     return hlo_cost.analyze_module(hlo_schema.parse_module(ctx.hlo()))

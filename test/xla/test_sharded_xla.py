@@ -10,8 +10,8 @@ tensor: one SPMD graph serves the group), and no op falls back to the CPU (fixtu
 
 import torch
 
-from minimax_m3.ops import sharded as sh
-from minimax_m3.ops import sharded_step as ss
+from minimax_m3 import ops
+from test.support import seq_shards as sh
 
 from .conftest import run_on_xla
 
@@ -36,22 +36,22 @@ def _rank_step(kc, vc, ikc, q, k, v, iq, ik, qt, kt, vt, iqt, ikt, other_s, othe
     scale = D ** -0.5
     starts = start.expand(B)
     q_pos = (start + torch.arange(T, device=q.device)).expand(B, T)
-    act = ss.chunk_active(k, v, ik, starts, rank, G)
-    cand = sh.local_candidates(ss.block_scores(iq, ikc, act, q_pos, starts, BS, rank, G), q_pos, BS, TOPK, 1, 1)
-    blocks = sh.merge_candidates(torch.cat([cand[0][None], other_s[1:]]), torch.cat([cand[1][None], other_i[1:]]),
+    act = ops.call_active(k, v, ik, starts, rank, G)
+    cand = ops.local_candidates(ops.step.block_scores(iq, ikc, act, q_pos, starts, BS, rank, G), q_pos, BS, TOPK, 1, 1)
+    blocks = ops.merge_candidates(torch.cat([cand[0][None], other_s[1:]]), torch.cat([cand[1][None], other_i[1:]]),
                                  S // BS, TOPK)
-    o, m, s = ss.partial_attention(q, kc, vc, act, q_pos, starts, rank, G, scale, blocks, BS)
-    prefill = sh.combine(torch.stack([o, o.flip(1)]), torch.stack([m, m - 1]), torch.stack([s, s]))
+    o, m, s = ops.step.partial_attention(q, kc, vc, act, q_pos, starts, rank, G, scale, blocks, BS)
+    prefill = ops.combine(torch.stack([o, o.flip(1)]), torch.stack([m, m - 1]), torch.stack([s, s]))
     for cache, new, dim in ((kc, k, 2), (vc, v, 2), (ikc, ik, 1)):
-        sh.write_chunk(cache, new, start, rank, G, seq_dim=dim)
+        sh.write_call(cache, new, start, rank, G, seq_dim=dim)
     p1 = pos.view(B, 1)
-    act_t = ss.token_active(kt, vt, ikt, pos, rank, G)
-    cand_t = sh.local_candidates(ss.block_scores(iqt, ikc, act_t, p1, pos, BS, rank, G), p1, BS, TOPK, 1, 1)
-    blocks_t = sh.merge_candidates(cand_t[0][None], cand_t[1][None], S // BS, TOPK)
-    sparse = ss.partial_attention(qt, kc, vc, act_t, p1, pos, rank, G, scale, blocks_t, BS)
-    dense = ss.partial_attention(qt, kc, vc, act_t, p1, pos, rank, G, scale)
+    act_t = ops.token_active(kt, vt, ikt, pos, rank, G)
+    cand_t = ops.local_candidates(ops.step.block_scores(iqt, ikc, act_t, p1, pos, BS, rank, G), p1, BS, TOPK, 1, 1)
+    blocks_t = ops.merge_candidates(cand_t[0][None], cand_t[1][None], S // BS, TOPK)
+    sparse = ops.step.partial_attention(qt, kc, vc, act_t, p1, pos, rank, G, scale, blocks_t, BS)
+    dense = ops.step.partial_attention(qt, kc, vc, act_t, p1, pos, rank, G, scale)
     for cache, new, dim in ((kc, kt, 2), (vc, vt, 2), (ikc, ikt, 1)):
-        sh.write_token(cache, new, pos, rank, G, seq_dim=dim)
+        ops.layout.write_token(cache, new, pos, rank, G, seq_dim=dim)
     return prefill, blocks, *sparse, *dense, blocks_t, kc, ikc
 
 

@@ -1,5 +1,5 @@
-"""Static-graph proof of a sparse layer on the XLA CPU device, through the step that ships (``ops.prefill_step`` /
-``ops.decode_step``): prefill (query chunks, each query's top-k blocks gathered) and a decode step (scoring the prior
+"""Static-graph proof of a sparse layer on the XLA CPU device, through the step that ships (``ops.attention_step``, via
+``layer_functions``): prefill (query chunks, each query's top-k blocks gathered) and a decode step (scoring the prior
 index keys and the active one, top-k, block gather, then the K/V and index-K cache writes).
 
 Each graph: outputs equal the eager CPU run (float32, ≤ 1e-5; block ids identical), exactly one compilation for
@@ -52,8 +52,8 @@ def test_prefill_really_is_sparse():
     p, x, _ = _inputs(1, 2, 96, 128)
     pos = torch.arange(96).unsqueeze(0).expand(2, 96)
     q, k, v, iq, ik = L.project(p, x, pos)
-    sparse = L.ops.prefill_step(q, k, v, L.D ** -0.5, L.TILE, L.SEL, iq, ik)
-    dense = L.ops.prefill_step(q, k, v, L.D ** -0.5, L.TILE)
+    sparse = L.prefill_step(q, k, v, L.D ** -0.5, L.TILE, L.SEL, iq, ik)
+    dense = L.prefill_step(q, k, v, L.D ** -0.5, L.TILE)
     exact = L.BS * L.TOPK  # positions whose causal blocks all fit in the top-k
     torch.testing.assert_close(sparse[:, :, :exact], dense[:, :, :exact], rtol=0, atol=1e-6)
     assert (sparse[:, :, exact:] - dense[:, :, exact:]).abs().max() > 1e-3

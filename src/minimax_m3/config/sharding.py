@@ -7,10 +7,11 @@ heads, one per KV head) split when there are at least ``tp`` of them, else each 
 ranks; ``ep`` groups of ``moe_tp = tp / ep`` ranks each hold ``num_experts / ep`` experts, whose intermediate width
 splits over the group's ``moe_tp`` ranks; dense MLPs and the shared expert split over all ``tp`` ranks.
 
-Prefill chunk (issue 23): a neuron prompt is prefilled in calls of at most C tokens, each attending to the cache the
-earlier calls wrote. C is a multiple of ``lcm(index block, G)`` (:func:`chunk_unit`; G = :func:`kv_group_size`, the
-ranks sharing one KV head: the sequence-sharded caches put C / G tokens of a call on each of them, and the next call
-starts on a block boundary; ``ops.sharded.check_chunk`` refuses other sizes). The default
+Prefill chunk: a prompt is prefilled in calls of at most C tokens, each attending to the cache the earlier calls
+wrote. C is a multiple of ``lcm(index block, G)`` (:func:`call_unit`, :func:`chunk_unit`; G = :func:`kv_group_size`,
+the ranks sharing one KV head: the sequence-sharded caches put C / G tokens of a call on each of them, and the next
+call starts on a block boundary; :func:`check_call` refuses other sizes, :func:`check_layout` a group that does not
+divide the block). The default
 (:func:`default_prefill_chunk`: the engine spec's for the neuron backends, vLLM's when its config names none, the
 planner's first candidate) is the context rounded up to whole units when that is at most :data:`MAX_PREFILL_CHUNK`
 tokens (one call per prompt), else the largest power-of-two multiple of the unit up to it. """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from ..errors import M3Error
 from .m3 import M3Config
 
 # trn2.48xlarge: 64 logical NeuronCores (LNC 2: two physical cores each), experts over all 64 ranks (one expert-TP
@@ -41,9 +43,38 @@ def kv_group_size(c: M3Config, tp: int) -> int:
     return tp // c.num_kv_heads if tp > c.num_kv_heads else 1
 
 
+class LayoutError(M3Error, ValueError):
+    """A group size or prefill call size the sequence-sharded layout cannot use (the message names sizes that work)."""
+
+
+def check_layout(block_size: int, group: int) -> None:
+    """Every rank of a KV group must hold the same number of keys of every block: ``group`` divides ``block_size``."""
+    if group < 1 or block_size % group:
+        fits = [g for g in range(1, block_size + 1) if block_size % g == 0]
+        raise LayoutError(f"a KV group of {group} ranks cannot shard {block_size}-token index blocks evenly; "
+                          f"group sizes that divide the block: {fits}")
+
+
+def call_unit(block_size: int, group: int = 1) -> int:
+    """What the tokens of a prefill call are a multiple of: ``lcm(index block, G)`` (each rank of the KV group writes
+    ``T / G`` of them and the next call starts on a block boundary). The one home of this rule."""
+    return math.lcm(block_size, group)
+
+
 def chunk_unit(c: M3Config, tp: int) -> int:
-    """What a prefill chunk is a multiple of: ``lcm(index block, G)``."""
-    return math.lcm(c.index_block_size, kv_group_size(c, tp))
+    """:func:`call_unit` of the model at ``tp`` ranks (G = :func:`kv_group_size`)."""
+    return call_unit(c.index_block_size, kv_group_size(c, tp))
+
+
+def check_call(tokens: int, block_size: int, group: int = 1) -> None:
+    """A prefill call of ``tokens`` must be a positive multiple of :func:`call_unit`; refused with the nearest sizes
+    that work."""
+    unit = call_unit(block_size, group)
+    if tokens < 1 or tokens % unit:
+        lo, hi = tokens // unit * unit, -(-max(tokens, 1) // unit) * unit
+        near = [n for n in dict.fromkeys((lo, hi)) if n > 0]
+        raise LayoutError(f"prefill chunk of {tokens} tokens: it must be a multiple of {unit} (the lcm of the index "
+                          f"block, {block_size}, and the KV group size, {group}); nearest that work: {near}")
 
 
 def prefill_chunk_choices(c: M3Config, tp: int, context: int, cap: int = MAX_PREFILL_CHUNK) -> list[int]:

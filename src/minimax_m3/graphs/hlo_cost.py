@@ -21,7 +21,7 @@ is the unoptimised one NxD hands to neuronx-cc, so every figure is what the comp
   a ``select`` over it.
 * **gathered K/V**: the bytes of every floating-point ``gather`` whose deciding frame is attention code (the rule
   table's ``attention`` class): the blocks of K and V a sparse layer gathers per query (a block read by several
-  queries counts once per query), what ``ops.sharded.gathered_kv_bytes`` and the planner count.
+  queries counts once per query), what the planner counts (``test/support/seq_shards.gathered_kv_bytes`` by hand).
 * **collectives**: each op with its kind (an all-reduce or reduce-scatter named by its reduction when it is not a
   sum: ``all-reduce (max)``), dtype, output shape, replica groups and bytes, the full buffer on each rank as the
   planner counts them (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer); and the same
@@ -57,9 +57,9 @@ DOT_RULES: tuple[tuple[str, str | None, tuple[int, int] | None, str], ...] = (
     ("minimax_m3/ops/attention.py", None, None, "attention"),
     ("minimax_m3/ops/prefill.py", None, None, "attention"),
     ("minimax_m3/ops/indexer.py", None, None, "indexer"),
-    ("minimax_m3/ops/sharded_step.py", "block_scores", None, "indexer"),  # the active index keys' scores
-    ("minimax_m3/ops/sharded_step.py", "residue", None, "rest"),  # the rank's share of a call's own keys
-    ("minimax_m3/ops/sharded_step.py", None, None, "attention"),
+    ("minimax_m3/ops/step.py", "block_scores", None, "indexer"),  # the prior and active index keys' scores
+    ("minimax_m3/ops/step.py", "residue", None, "rest"),  # the rank's share of a call's own keys
+    ("minimax_m3/ops/step.py", None, None, "attention"),
     ("neuronx_distributed/modules/moe/routing.py", None, None, "rest"),
     ("neuronx_distributed/modules/moe/shared_experts.py", None, None, "rest"),
     ("neuronx_distributed/modules/moe/", None, None, "routed_experts"),

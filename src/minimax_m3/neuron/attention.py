@@ -6,30 +6,21 @@
   r//16). The lightning indexer is sharded the same way: rank r computes only the index heads of the KV
   groups it holds (``IndexQProjection`` replicates index heads across ranks like NxDI replicates K/V), plus
   the single index-K head (replicated).
-* Prefill: ``perform_prefill`` → ``ops.prefill_step`` in query chunks (``ops.chunk_for``): ``prefill_chunks`` (8)
-  chunks up to ``prefill_chunks x prefill_max_chunk`` tokens (32K), then chunks of ``prefill_max_chunk`` (4096)
-  queries, which bounds one chunk's gathered K/V (the chunk loop is unrolled into the graph: see docs/neuron.md).
-  Sparse layers: per chunk the indexer scores the keys up to the chunk's end (top-k through the SDK's ``TopK`` op
-  on device) and each query attends only to its gathered top-k blocks (block-sparse FLOPs). Dense layers: NxDI's
-  flash-attention kernel (boolean causal mask) where NxDI's strategy picks it (device builds with the CTE attention
-  kernel on); otherwise, and in CPU mode, the chunked causal path. Causality comes from slot == position (right
-  padding), not from NxDI's mask.
-* Decode (every layer): ``attention_tokengen`` attends to the bucket's PRIOR caches plus the ACTIVE token (NxDI's
-  decomposition; the caches are only read here and written once, in place, by the cache manager). Sparse layers
-  score the prior index keys and the active index key, take the top-k blocks and attend only to those blocks
-  gathered from the KV cache, plus the active key (``ops.select_blocks_prior_active``,
-  ``ops.decode_sparse_prior_active``); dense layers, and sparse layers whose bucket holds at most top-k blocks
-  (the indexer would select them all), attend causally over the prior cache (``ops.decode_dense_prior_active``).
-  Both steps are ``ops.prefill_step`` / ``ops.decode_step``, the code the reference model and ``test/xla`` run.
-* Speculative verify (NxDI's speculation graph, ``speculation_length = k + 1`` tokens per row, each row from its own
-  position): the group's step below, whatever the layout (one rank per head: the group of one).
-* **Sequence-sharded caches** (``kv_layout="sharded"``, G = ``num_cores_per_group`` > 1 ranks per KV head; and every
-  context-encoding call when prompts are prefilled in chunks, ``prefill_chunk``): the step is
-  ``ops.sharded_step.rank_attention`` over the rank's shard of the prior caches (decode: NxDI's bucket slice; context
-  encoding: the rows' lines from the cache manager, ``M3KVCacheManager.prior``) plus its residue of the call's own
-  tokens, with the KV group's collectives (``nxd_compat.KVGroupOps``): the group's query heads gathered so each
-  selected block is read once for all of them, the block selection exact over the shards, the softmax merged by
-  log-sum-exp. Causality comes from positions: a call starts at ``position_ids[:, 0]``.
+* **Every call runs the one attention step**, ``ops.attention_step``, on this rank's view of the caches: the KV
+  group of ``G = num_cores_per_group`` ranks with sequence-sharded caches (``kv_layout="sharded"``; its collectives
+  are ``nxd_compat.KVGroupOps``), or the group of one rank (``ops.Alone``) with the replicated layout. Context
+  encoding (``perform_prefill``): the call's own keys (``ops.call_active``, the rank's residue) plus, when prompts
+  are prefilled in several calls (``prefill_chunk``), the rows' prior lines from the cache manager
+  (``M3KVCacheManager.prior``); a call starts at ``position_ids[:, 0]``. Token generation and NxDI's speculative
+  verify step (``attention_tokengen``): the bucket's prior caches plus the step's tokens (``ops.token_active``).
+  The caches are only read here and written once, in place, by the cache manager after the layers.
+* Sparse layers select per query and KV group the top-k blocks from the prior and active index keys (top-k through
+  the SDK's ``TopK`` op on device) and read only those blocks, prior and active alike. Dense layers of a prompt's
+  only call use NxDI's flash-attention kernel where NxDI's strategy picks it (device builds with the CTE attention
+  kernel on); otherwise the step. With the replicated layout a prefill call is walked in query tiles
+  (``ops.tile_for``: ``prefill_tiles`` (8) tiles up to ``prefill_tiles x prefill_max_tile`` tokens, then tiles of
+  ``prefill_max_tile`` (4096) queries, bounding one tile's index scores and gathered K/V; the loop is unrolled into
+  the graph: docs/neuron.md); the sharded layout reads ``1/G`` of each block and takes the call in one tile.
 """
 
 from __future__ import annotations
@@ -43,10 +34,9 @@ from neuronx_distributed.utils import cpu_mode
 from torch import nn
 
 from .. import ops
-from ..ops import sharded_step
-from ..ops.prefill import PREFILL_CHUNKS, PREFILL_MAX_CHUNK
+from ..ops.prefill import PREFILL_MAX_TILE, PREFILL_TILES
 from . import nxd_compat
-from .config import prefill_in_calls
+from .config import kv_group_size, prefill_in_calls
 from .layers import GemmaNorm, PartialRope
 
 
@@ -85,12 +75,12 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         self.m3, self.layer_idx = c, layer_idx
         self.sparse = bool(c.sparse_layers[layer_idx])
         self.scale = c.softmax_scale
-        self.chunks = getattr(config, "prefill_chunks", PREFILL_CHUNKS)  # the rule `minimax-m3 plan` models
-        self.max_chunk = getattr(config, "prefill_max_chunk", PREFILL_MAX_CHUNK)
+        self.tiles = getattr(config, "prefill_tiles", PREFILL_TILES)  # the rule `minimax-m3 plan` models
+        self.max_tile = getattr(config, "prefill_max_tile", PREFILL_MAX_TILE)
         self.selection = ops.Selection.of(c)
         self._index = None
         self.call_context = None  # (kv_mgr, layer, seq_ids, position_ids) of the current call
-        self.group = config.num_cores_per_group if getattr(config, "kv_layout", "replicated") == "sharded" else 1
+        self.group = kv_group_size(config)
         # prompts longer than one call: every context-encoding call must read what the earlier calls wrote
         self.chunked = prefill_in_calls(config.neuron_config)
         self.continuous_batching = config.neuron_config.is_continuous_batching
@@ -143,66 +133,54 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
     def perform_prefill(self, Q, K, V, q_len, bsz, attention_mask):
         # a dense layer of a prompt's only call attends its own keys, on this rank, whatever the cache layout (the
         # manager writes the rank's residue): NxDI's flash kernel where NxDI's strategy picks it (device builds with
-        # the CTE attention kernel), else the chunked causal path below. Sparse layers on sharded caches, and every
-        # call of a prompt prefilled in several, run the group's step (each gathered block shared by its heads)
-        dense_alone = not self.sparse and not self.chunked
-        if dense_alone and self.get_flash_attention_strategy(q_len, attention_mask is not None) \
-                != FlashAttentionStrategy.NONE:
+        # the CTE attention kernel). Everything else runs the step
+        if not self.sparse and not self.chunked and self.get_flash_attention_strategy(
+                q_len, attention_mask is not None) != FlashAttentionStrategy.NONE:
             return super().perform_prefill(Q, K, V, q_len, bsz, attention_mask)  # NxDI's flash kernel (device)
-        if not dense_alone and (self.group > 1 or self.chunked):
-            return self.prefill_call(Q, K, V), FlashAttentionStrategy.NONE
-        chunk = ops.chunk_for(q_len, self.chunks, self.m3.index_block_size, self.max_chunk)
-        if self.sparse:
-            iq, ik, _, _ = self._index
-            out = ops.prefill_step(Q, K, V, self.scale, chunk, self.selection, iq, ik, topk_fn=_topk_fn())
-        else:
-            out = ops.prefill_step(Q, K, V, self.scale, chunk)
-        return out, FlashAttentionStrategy.NONE
+        return self.prefill_call(Q, K, V), FlashAttentionStrategy.NONE
 
-    # ---- decode -----------------------------------------------------------------------------------
+    def prefill_call(self, Q, K, V):
+        """A context-encoding call of ``T`` tokens from ``start = position_ids[:, 0]``: its own keys (the rank's
+        residue) plus, when prompts take several calls, the rows' prior lines (what earlier calls wrote)."""
+        kv_mgr, layer, seq_ids, position_ids = self.call_context
+        b, t = Q.shape[0], Q.shape[2]
+        start = position_ids[:, 0].to(torch.int64)
+        q_pos = start.view(-1, 1) + torch.arange(t, device=Q.device).view(1, -1)
+        prior = [None, None, None]
+        if self.chunked:
+            prior = kv_mgr.prior(layer, seq_ids.view(-1).to(torch.int64) if self.continuous_batching else None, b)
+        dtype = K.dtype if prior[0] is None else prior[0].dtype
+        rank = self.group_rank()
+        iq, ik = (self._index[0], self._index[1].to(dtype)) if self.sparse else (None, None)
+        act = ops.call_active(K.to(dtype), V.to(dtype), ik, start, rank, self.group)
+        # one tile per call on sharded caches (each rank gathers 1/G of a block); query tiles with one rank per head
+        tile = t if self.group > 1 else ops.tile_for(t, self.tiles, self.m3.index_block_size, self.max_tile)
+        return ops.attention_step(Q, prior[0], prior[1], act, q_pos, start, rank, self.group_ops(), self.scale,
+                                  self.selection if self.sparse else None, iq, prior[2] if self.sparse else None,
+                                  _topk_fn(), tile=tile)
+
+    # ---- decode and verify ---------------------------------------------------------------------------
     def attention_tokengen(self, Q, K, V, attention_mask, position_ids, past_key_value, active_mask, **kwargs):
+        """One token per row (decode) or ``k + 1`` (NxDI's speculative verify step, each row from its own position)
+        over the bucket's prior caches (the rank's shard of the lines; all of them with one rank per head), the
+        step's tokens active where the rank owns them."""
         kc, vc = past_key_value[0], past_key_value[1]  # the bucket's prior cache, read only
-        q_pos = position_ids[:, 0]
-        if self.group > 1 or position_ids.shape[-1] > 1:
-            # the rank's shard of the bucket's lines (all of them with one rank per head); the step's tokens are
-            # active where the rank owns them. A speculative verify step (k + 1 tokens per row from each row's own
-            # position, NxDI's speculation graph) takes this path whatever the layout
-            rank, t = self.group_rank(), position_ids.shape[-1]
-            q_pos = position_ids.to(torch.int64)
-            iq, ik = (self._index[0], self._index[1]) if self.sparse else (None, None)
-            act = sharded_step.token_active(K.to(kc.dtype), V.to(vc.dtype), None if ik is None else ik.to(kc.dtype),
-                                            q_pos, rank, self.group)
-            return sharded_step.rank_attention(Q, kc, vc, act, q_pos, q_pos[:, 0], rank, self.group_ops(),
-                                               self.scale, self.selection if self.sparse else None, iq,
-                                               past_key_value[2] if self.sparse else None, _topk_fn(),
-                                               one_gather=t < sharded_step.ONE_GATHER_TOKENS)
-        if not self.sparse:
-            return ops.decode_step(Q, kc, vc, K.to(kc.dtype), V.to(vc.dtype), q_pos, self.scale)
-        iq, ik, _, ikc = self._index  # validate_config keeps token-generation buckets block-aligned
-        return ops.decode_step(Q, kc, vc, K.to(kc.dtype), V.to(vc.dtype), q_pos, self.scale, self.selection, iq, ikc,
-                               ik.to(ikc.dtype))
+        rank, t = self.group_rank(), position_ids.shape[-1]
+        q_pos = position_ids.to(torch.int64)
+        iq, ik = (self._index[0], self._index[1]) if self.sparse else (None, None)
+        act = ops.token_active(K.to(kc.dtype), V.to(vc.dtype), None if ik is None else ik.to(kc.dtype), q_pos, rank,
+                               self.group)
+        return ops.attention_step(Q, kc, vc, act, q_pos, q_pos[:, 0], rank, self.group_ops(), self.scale,
+                                  self.selection if self.sparse else None, iq,
+                                  past_key_value[2] if self.sparse else None, _topk_fn(),
+                                  one_gather=t < ops.step.ONE_GATHER_TOKENS)
 
-    # ---- the sharded / chunked step ------------------------------------------------------------------------
+    # ---- the KV group --------------------------------------------------------------------------------------
     def group_rank(self):
         return torch.remainder(self.rank_util.get_rank(), self.group).to(torch.int64) if self.group > 1 else 0
 
     def group_ops(self):
-        return nxd_compat.KVGroupOps(self.group) if self.group > 1 else sharded_step.Alone()
-
-    def prefill_call(self, Q, K, V):
-        """A context-encoding call of ``T`` tokens from ``start = position_ids[:, 0]`` over the rows' prior lines
-        (what earlier calls wrote) plus the call's own keys (the rank's residue)."""
-        kv_mgr, layer, seq_ids, position_ids = self.call_context
-        b, t = Q.shape[0], Q.shape[2]
-        prior = kv_mgr.prior(layer, seq_ids.view(-1).to(torch.int64) if self.continuous_batching else None, b)
-        start = position_ids[:, 0].to(torch.int64)
-        q_pos = start.view(-1, 1) + torch.arange(t, device=Q.device).view(1, -1)
-        rank = self.group_rank()
-        iq, ik = (self._index[0], self._index[1].to(prior[0].dtype)) if self.sparse else (None, None)
-        act = sharded_step.chunk_active(K.to(prior[0].dtype), V.to(prior[1].dtype), ik, start, rank, self.group)
-        return sharded_step.rank_attention(Q, prior[0], prior[1], act, q_pos, start, rank, self.group_ops(), self.scale,
-                                           self.selection if self.sparse else None, iq,
-                                           prior[2] if self.sparse else None, _topk_fn())
+        return nxd_compat.KVGroupOps(self.group) if self.group > 1 else ops.Alone()
 
 
 def _topk_fn():

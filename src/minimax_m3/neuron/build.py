@@ -37,7 +37,7 @@ def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
         kw.update(attn_kernel_enabled=False, qkv_kernel_enabled=False, mlp_kernel_enabled=False,
                   blockwise_matmul_config={"use_torch_block_wise": True})
     else:
-        # NxDI's CTE flash-attention kernel for the dense layers (sparse layers keep ops.prefill_step)
+        # NxDI's CTE flash-attention kernel for the dense layers (sparse layers keep ops.attention_step)
         kw.update(logical_nc_config=spec.lnc, save_sharded_checkpoint=True, attn_kernel_enabled=True)
     if spec.weights == "fp8":  # NxD's quantized routed experts; the port's state dict then carries e4m3 + .scale
         kw.update(fp8_experts.neuron_config_kwargs(), quantized_checkpoints_path=str(spec.model))

@@ -9,7 +9,6 @@ already-derived values) gives the same config.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -145,8 +144,10 @@ def load_m3_config(path: str | Path):
 KV_LAYOUTS = ("sharded", "replicated")
 
 
-def kv_group(cfg) -> int:
-    """G, the ranks sharing one KV head's caches: ``sharding.kv_group_size`` with the sharded layout, else 1."""
+def kv_group_size(cfg) -> int:
+    """G, the ranks sharing one KV head's caches: ``sharding.kv_group_size`` with the sharded layout (the default),
+    else 1. The one home of this rule for a neuron config: the config sets ``num_cores_per_group`` from it (NxD builds
+    the KV process group from that), the attention and the cache manager read it."""
     if getattr(cfg, "kv_layout", KV_LAYOUTS[0]) != "sharded":
         return 1
     return sharding.kv_group_size(M3Config.from_fields(cfg.m3), cfg.neuron_config.tp_degree)
@@ -162,18 +163,16 @@ def layout_problems(cfg) -> list[str]:
     g = cfg.num_cores_per_group
     if g == 1:
         return []
-    from ..ops.sharded import LayoutError, check_layout
-
     try:
-        check_layout(c.index_block_size, g)
-    except LayoutError as e:
+        sharding.check_layout(c.index_block_size, g)
+    except sharding.LayoutError as e:
         return [f"kv_layout 'sharded': {e.problems[0]}; or kv_layout 'replicated'"]
     out = []
     cte = nc.context_encoding_buckets if nc.enable_bucketing and nc.context_encoding_buckets else \
         [nc.max_context_length]
     if [b for b in cte if b % g]:
         out.append(f"kv_layout 'sharded' (G={g}): context-encoding buckets {sorted(cte)} must be multiples of {g}")
-    unit = math.lcm(c.index_block_size, g)
+    unit = sharding.call_unit(c.index_block_size, g)
     if nc.seq_len % unit:
         out.append(f"kv_layout 'sharded' (G={g}): seq_len {nc.seq_len} must be a multiple of {unit} (lcm of the "
                    f"index block and G): e.g. {-(-nc.seq_len // unit) * unit}")
@@ -216,7 +215,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         # ModelBuilder builds the KV group from num_cores_per_group (flash_decoding_enabled stays off: the port's
         # attention and cache manager own the layout)
         self.kv_layout = getattr(self, "kv_layout", None) or KV_LAYOUTS[0]
-        self.num_cores_per_group = kv_group(self)
+        self.num_cores_per_group = kv_group_size(self)
         # speculative decoding with an EAGLE3 draft: the target layers whose input states the draft reads (vLLM's
         # ids), returned by every call as ``aux_states`` (``NeuronMiniMaxM3Model``)
         self.aux_hidden_layers = tuple(sorted(getattr(self, "aux_hidden_layers", None) or ()))

@@ -18,10 +18,10 @@ carried exactly like K and V. Layers receive ``past_key_value = [K, V, index_K]`
 
 **Sharded layout** (``config.kv_layout == "sharded"`` and G = ``config.num_cores_per_group`` > 1 ranks per KV head,
 issue 23): every K/V and index-K line holds ``max_len / G`` slots, token ``p`` on group rank ``p mod G`` at slot
-``p div G`` (``ops.sharded``). A context-encoding call (a prefill chunk at ``start = position_ids[:, 0]``, a multiple
+``p div G`` (``ops.layout``). A context-encoding call (a prefill chunk at ``start = position_ids[:, 0]``, a multiple
 of G; every call, whatever the layout, is written at its start so prompts can be prefilled in several calls) writes
 the rank's residue of its tokens at slots ``start/G ..`` of rows ``seq_ids`` (continuous batching) or ``0..B-1``; a
-decode step writes each row's token on the rank that owns its position (``ops.sharded.write_token``); reads slice a
+decode step writes each row's token on the rank that owns its position (``ops.layout.write_token``); reads slice a
 decode bucket ``b`` to ``b / G`` slots. :meth:`prior` hands the attention the rows' whole lines in context encoding.
 
 :class:`DraftKVCacheManager`: the same call writes (:class:`CallWrites`) for the EAGLE3 draft of a fused build whose
@@ -35,6 +35,7 @@ from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCac
 from torch import nn
 
 from .. import ops
+from .config import kv_group_size
 
 
 class CallWrites:
@@ -72,9 +73,9 @@ class CallWrites:
         kv, extra = [], []
         for layer, new in enumerate(new_key_values):
             for line, tokens in zip(self.kv_lines(layer), new[:2]):
-                kv.append(_write_slots(line, _residue(tokens, rank, self.group, 2), rows, first, 2))
+                kv.append(_write_slots(line, ops.step.residue(tokens, rank, self.group, 2), rows, first, 2))
             for line, tokens in zip(self.extra_lines(layer), new[2:]):
-                extra.append(_write_slots(line, _residue(tokens, rank, self.group, 1), rows, first, 1))
+                extra.append(_write_slots(line, ops.step.residue(tokens, rank, self.group, 1), rows, first, 1))
         return kv + extra
 
 
@@ -97,7 +98,7 @@ class DraftKVCacheManager(CallWrites, KVCacheManager):
 
 class M3KVCacheManager(CallWrites, KVCacheManager):
     def __init__(self, config, *, num_kv_head, global_rank=None, **kwargs):
-        self.group = config.num_cores_per_group if getattr(config, "kv_layout", "replicated") == "sharded" else 1
+        self.group = kv_group_size(config)
         super().__init__(config, num_kv_head=num_kv_head, global_rank=global_rank, **kwargs)
         c = config.m3_config()
         self.num_layers = c.num_layers
@@ -171,14 +172,10 @@ class M3KVCacheManager(CallWrites, KVCacheManager):
             for t in range(position_ids.shape[1]):
                 pos = position_ids[:, t].to(torch.int64)
                 for line, tokens, dim in lines:
-                    ops.sharded.write_token(line, tokens.narrow(dim, t, 1), pos, rank, self.group, seq_dim=dim)
+                    ops.layout.write_token(line, tokens.narrow(dim, t, 1), pos, rank, self.group, seq_dim=dim)
             kv += [lines[0][0], lines[1][0]]
             ik_out += [line for line, _, _ in lines[2:]]
         return kv + ik_out
-
-
-def _residue(new: torch.Tensor, rank, group: int, seq_dim: int) -> torch.Tensor:
-    return new if group == 1 else ops.sharded_step.residue(new, rank, group, seq_dim)
 
 
 def _write_slots(cache: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, first: torch.Tensor,

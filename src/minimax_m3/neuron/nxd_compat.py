@@ -127,7 +127,7 @@ def kv_group(size: int):
 
 
 class KVGroupOps:
-    """``ops.sharded_step.Group`` on the KV group: NxD's all-gather wrapper, and an all-to-all NxD has only for its
+    """``ops.step.Group`` on the KV group: NxD's all-gather wrapper, and an all-to-all NxD has only for its
     expert-parallel group (and without a CPU branch): ``torch.distributed.all_to_all_single`` on gloo in CPU mode,
     ``xm.all_to_all`` over the group's replica groups on device.
 

@@ -86,19 +86,11 @@ def select_blocks(
 
     Future blocks never win. Init blocks (``b < init_blocks``) and the query's own ``local_blocks`` most recent
     blocks are forced in (as long as they are not in the future): :func:`force_blocks`. Equal scores: the lower
-    block id wins (:func:`top_blocks`, also with ``topk_fn``, e.g. the Neuron port's SDK top-k). The sharded
-    selection (``ops.sharded``) follows the same rule and returns the same ids."""
+    block id wins (:func:`top_blocks`, also with ``topk_fn``, e.g. the Neuron port's SDK top-k). The selection over
+    sequence-sharded caches (:func:`local_candidates`, :func:`merge_candidates`) returns the same ids."""
     scores = force_blocks(block_scores, q_pos, block_size, init_blocks, local_blocks)
     return top_blocks(scores, min(topk, scores.shape[-1]), topk_fn)[1]
 
-
-def select_blocks_for_queries(
-    iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int, init_blocks: int = 0,
-    local_blocks: int = 1,
-) -> torch.Tensor:
-    """:func:`index_block_scores` then :func:`select_blocks`."""
-    scores = index_block_scores(iq, ik, q_pos, block_size)
-    return select_blocks(scores, q_pos, block_size, topk, init_blocks, local_blocks)
 
 
 def block_keep_mask(block_idx: torch.Tensor, num_keys: int, block_size: int) -> torch.Tensor:
@@ -112,20 +104,31 @@ def block_keep_mask(block_idx: torch.Tensor, num_keys: int, block_size: int) -> 
     return keep[..., :num_keys]
 
 
-def select_blocks_prior_active(iq: torch.Tensor, ik: torch.Tensor, ik_new: torch.Tensor, q_pos: torch.Tensor,
-                               block_size: int, topk: int, init_blocks: int = 0,
-                               local_blocks: int = 1) -> torch.Tensor:
-    """Top-k blocks ``[B, G, K]`` for the index queries ``iq [B, G, 1, Di]`` at ``q_pos [B]``, from the prior index
-    keys ``ik [B, S, Di]`` (slots ``< q_pos``) and the active index key ``ik_new [B, 1, Di]``.
+# ---- selection over a KV group's sequence-sharded index keys (``ops.layout``) ----------------------------------
+# Each rank max-pools ITS keys of each block (``-inf`` where it has no key of the block the query may see), applies
+# the forced/causal rule and keeps its local top-K candidates (score, id); the group all-gathers them and every rank
+# takes the global top-K of the G x K candidates, a block's score the max over the ranks that proposed it. Exact: a
+# block of the global top-K has at most K - 1 better blocks, so the rank holding its maximum proposes it with its
+# true score; a block outside is never over-scored. Ties: the lower block id wins on every rank, in the merge and in
+# ``select_blocks``, so the ids equal ``select_blocks(index_block_scores(...))`` on the unsharded cache (tested).
 
-    The block scores are those of the written cache: every block before the query's own is complete in the prior
-    cache, and the own block's max-pool takes the active score in (it is also forced in whenever
-    ``local_blocks >= 1``), so :func:`select_blocks` returns the same blocks."""
-    b, g = iq.shape[0], iq.shape[1]
-    q_pos = q_pos.view(b, 1)
-    scores = index_block_scores(iq, ik, q_pos - 1, block_size)  # [B, G, 1, nblk], keys t <= p - 1
-    active = torch.matmul(iq, ik_new.view(b, 1, -1, 1)).float()  # [B, G, 1, 1], as index_block_scores
-    nblk = scores.shape[-1]
-    own = torch.arange(nblk, device=iq.device).view(1, 1, 1, nblk) == (q_pos // block_size).view(b, 1, 1, 1)
-    scores = torch.where(own, torch.maximum(scores, active), scores)
-    return select_blocks(scores, q_pos, block_size, topk, init_blocks, local_blocks).view(b, g, -1)
+
+def local_candidates(partial: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int, init_blocks: int = 0,
+                     local_blocks: int = 1, topk_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's candidates ``(scores, ids)``, ``[B, H, Tq, min(topk, nblk)]`` each: the forced/causal rule of
+    :func:`select_blocks` on its partial scores, then its top-k (equal scores: lower id first; ``-1`` for ``-inf``).
+    On a group of one rank the ids are :func:`select_blocks`'."""
+    scores = force_blocks(partial, q_pos, block_size, init_blocks, local_blocks)
+    return top_blocks(scores, min(topk, scores.shape[-1]), topk_fn)
+
+
+def merge_candidates(scores: torch.Tensor, ids: torch.Tensor, nblk: int, topk: int, topk_fn=None) -> torch.Tensor:
+    """The global top-k block ids ``[B, H, Tq, min(topk, nblk)]`` from every rank's candidates (the all-gather,
+    ``[G, B, H, Tq, K]`` each): a block's score is the max over the ranks that proposed it (one scatter-max into
+    ``nblk`` columns), then :func:`top_blocks` (lower id first on ties, ``-1`` for an empty slot)."""
+    s = scores.movedim(0, -2).flatten(-2).float()
+    i = ids.movedim(0, -2).flatten(-2).to(torch.int64)
+    i = torch.where(i < 0, nblk, i)  # empty candidates land in a throwaway column
+    table = torch.full((*s.shape[:-1], nblk + 1), float("-inf"), device=s.device)
+    table = table.scatter_reduce(-1, i, s, reduce="amax", include_self=True)[..., :nblk]
+    return top_blocks(table, min(topk, nblk), topk_fn)[1]

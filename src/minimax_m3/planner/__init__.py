@@ -24,9 +24,9 @@ from .fit import FitError, largest_batch, largest_context, require_fit
 from .speculative import (ACCEPTANCE, M3_DRAFT, Projection, StepCost, draft_heads, draft_part, draft_reads,
                           format_projection, project, step_flops, target_step)
 from .memory import (BF16, FP8, FP32, GIB, HBM_BYTES_PER_S, HBM_PER_RANK_GIB, INT64, LAYOUTS, MAX_CHUNK,
-                     PORT_LAYOUT, SHARD_ON_I_MULTIPLE, ChunkError, MemoryPlan, PlanError, attention_chunk_bytes,
-                     cache_bytes, cache_multiple, cache_tokens, chunk_choices, chunk_problems, group_size,
-                     moe_bytes, plan, prefill_chunk, prefill_persistent_bytes, prefill_phases,
+                     PORT_LAYOUT, SHARD_ON_I_MULTIPLE, ChunkError, MemoryPlan, PlanError, attention_tile_bytes,
+                     cache_bytes, cache_multiple, cache_tokens, chunk_choices, chunk_problems,
+                     moe_bytes, plan, prefill_tile, prefill_persistent_bytes, prefill_phases,
                      sharded_attention_bytes, weight_bytes)
 
 __all__ = [
@@ -34,10 +34,10 @@ __all__ = [
     "format_projection", "project", "step_flops", "target_step",
     "BF16", "COLLECTIVE_LATENCY_S", "FP8", "FP32", "GIB", "HBM_BYTES_PER_S", "HBM_PER_RANK_GIB", "INT64", "LAYOUTS",
     "LINK_BYTES_PER_S", "MAX_CHUNK", "PEAK_FLOPS_PER_S", "PORT_LAYOUT", "SHARD_ON_I_MULTIPLE", "ChunkError",
-    "FitError", "MemoryPlan", "PlanError", "Ttft", "add_arguments", "attention_chunk_bytes", "cache_bytes",
+    "FitError", "MemoryPlan", "PlanError", "Ttft", "add_arguments", "attention_tile_bytes", "cache_bytes",
     "cache_multiple", "cache_tokens", "chunk_bytes", "chunk_choices", "chunk_flops", "chunk_problems", "collectives",
-    "decode_floor_ms", "decode_minimum_bytes", "format_plan", "group_size", "largest_batch", "largest_context",
-    "link_seconds", "main", "moe_bytes", "plan", "prefill_chunk", "prefill_flops", "prefill_persistent_bytes",
+    "decode_floor_ms", "decode_minimum_bytes", "format_plan", "largest_batch", "largest_context",
+    "link_seconds", "main", "moe_bytes", "plan", "prefill_tile", "prefill_flops", "prefill_persistent_bytes",
     "prefill_phases", "register", "require_fit", "run", "sharded_attention_bytes", "ttft", "weight_bytes",
     "weights_read",
 ]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from ..config import sharding
 from ..config.m3 import M3Config
-from ..ops.sharded_step import ONE_GATHER_TOKENS
-from .memory import (BF16, FP32, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens, group_size, prefill_chunk,
+from ..ops.step import ONE_GATHER_TOKENS
+from .memory import (BF16, FP32, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens, prefill_tile,
                      weight_bytes)
 
 PEAK_FLOPS_PER_S = 10.7e15 / 64  # dense BF16 per logical core at LNC 2 (perf_anchors §1.1: 10.7 PF per instance)
@@ -71,7 +71,7 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     the caches (fp32 routers and fp8 experts keep their size). The one home of the verify step's minimum: the graph
     report's and the speculative projection's (:func:`.speculative.target_step`)."""
     w = sum(weights_read(c, tp, ep, batch * tokens, weights, dtype_bytes).values())
-    g = group_size(c, tp) if layout == "sharded" else 1
+    g = sharding.kv_group_size(c, tp) if layout == "sharded" else 1
     kvb = dtype_bytes if kv_dtype == "bf16" else 1
     per_token_kv = _heads(c, c.num_kv_heads, tp) * c.head_dim * 2 * kvb
     n_sparse = sum(c.sparse_layers)
@@ -132,7 +132,7 @@ def chunk_flops(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int)
     size); attention counts the real queries' causal keys (as :func:`prefill_flops`) for the rank's ``qg`` group
     heads against its 1/G of the keys (= its own heads against all keys); the indexer scores the ``chunk``
     queries against the rank's 1/G of the keys ``< e``."""
-    g, kv, iq = group_size(c, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
+    g, kv, iq = sharding.kv_group_size(c, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
     qg, e, n_sparse = c.q_per_kv * kv, min(start + chunk, seq), sum(c.sparse_layers)
     cap = c.index_topk * c.index_block_size
     keys = (n_sparse * (_causal_keys(e, cap) - _causal_keys(start, cap))
@@ -167,11 +167,11 @@ def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int,
     * activations: 4 ``[chunk, hidden]`` bf16 copies per layer (residual, normed input, attention output, MLP
       output), and per MoE layer the blockwise rows the rank's experts get (:func:`_moe_rows_read`), tokens in,
       gate/up, out. G' = 1 replicated, G sharded."""
-    g = group_size(c, tp) if layout == "sharded" else 1
+    g = sharding.kv_group_size(c, tp) if layout == "sharded" else 1
     kvb = BF16 if kv_dtype == "bf16" else 1
     kv, bs, n_sparse = _heads(c, c.num_kv_heads, tp), c.index_block_size, sum(c.sparse_layers)
     e = min(start + chunk, seq)
-    qc = chunk if layout == "sharded" else prefill_chunk(c, seq)
+    qc = chunk if layout == "sharded" else prefill_tile(c, seq)
     index_k = gathered = dense = 0
     for t0 in range(start, e, qc):  # the port's query chunks (one for a sharded call)
         t1 = min(t0 + qc, e)
@@ -208,9 +208,9 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
     (``logit_rows`` defaults to ``tokens``: a verify step returns every token's logits; a prefill call's is its
     rows' last tokens). As the traced graphs have them (``test/hlo/test_sharded_graphs.py``,
     ``test/hlo/test_verify_graph.py``).
-    Sharded, per attention layer, within the G ranks of a KV group (the port's step, ``ops.sharded_step``, whose
+    Sharded, per attention layer, within the G ranks of a KV group (the port's step, ``ops.attention_step``, whose
     ``COLLECTIVES`` names them): the group's query heads all-gathered (bf16 ``[T, qg, d]``), in a decode or verify
-    step's sparse layers (fewer than ``ops.sharded_step.ONE_GATHER_TOKENS`` tokens per row) packed with the
+    step's sparse layers (fewer than ``ops.step.ONE_GATHER_TOKENS`` tokens per row) packed with the
     selection candidates into ONE fp32 all-gather (``[G, T, qg/G * d + iq * K * 2]``); a prefill call's sparse
     layers (and a step of more tokens per row) gather the candidates apart (fp32 ``[G, T, iq, K, 2]``: local top-K
     scores and block ids, exact below 2^24); then one all-to-all by head of the partial outputs with their softmax
@@ -219,7 +219,7 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
     alone (the call's own keys: NxDI's flash kernel), without the group's collectives."""
     n_sparse = sum(c.sparse_layers)
     h, d, L = c.hidden_size, c.head_dim, c.num_layers
-    kv, iq, g = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp), group_size(c, tp)
+    kv, iq, g = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp), sharding.kv_group_size(c, tp)
     qg = c.q_per_kv * kv
     rows = []
     if layout == "sharded" and g > 1:

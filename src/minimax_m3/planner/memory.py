@@ -1,11 +1,11 @@
 """Per-rank HBM of a TP x EP layout: weights, caches, prefill working memory, reserve (what ``plan()`` returns).
 
 Two cache layouts (``LAYOUTS``); G = ``tp / num_kv_heads`` is the group of ranks that share a KV head
-(:func:`group_size`; 16 for M3 at TP 64):
+(``sharding.kv_group_size``; 16 for M3 at TP 64):
 
 * ``replicated`` (the port's ``kv_layout="replicated"``, NxDI's GQA layout): each KV head's K and V stored whole
   on the G ranks of its group, the single index-K head on every rank; a prompt prefilled in ONE call whose attention
-  walks query chunks of ``ops.prefill.chunk_for`` (the port's rule), so its working memory grows with the prompt.
+  walks query tiles of ``ops.prefill.tile_for`` (the port's rule), so its working memory grows with the prompt.
 * ``sharded`` (issue 23, design notes 1 and 4; what the port runs, ``PORT_LAYOUT``, its ``kv_layout`` default):
   token p of a group lives on group rank ``p mod G`` at slot
   ``p div G``, so K/V and index-K take 1/G per rank; a prompt is prefilled in calls of C tokens (the chunk, a
@@ -20,8 +20,8 @@ kB = ceil(B / G) keys per block per rank, k' = min(K, ceil(S / B)) selected bloc
 * KV cache ``b x S / G' x L x 2 x kv x d`` and index-K ``b x S / G' x L_sparse x di`` (cache dtype), G' = 1
   replicated, G sharded (:func:`cache_bytes`);
 * prefill, replicated (T = ctx_batch x S tokens): persistent ``[T, hidden]`` x 4 activations, projections and
-  logits (:func:`prefill_persistent_bytes`) plus the larger of one attention query chunk
-  (:func:`attention_chunk_bytes`) and the MoE (:func:`prefill_phases`);
+  logits (:func:`prefill_persistent_bytes`) plus the larger of one attention query tile
+  (:func:`attention_tile_bytes`) and the MoE (:func:`prefill_phases`);
 * prefill, sharded (T = C, one request per call): the same persistent terms for C tokens plus the larger of the
   MoE for C tokens (:func:`moe_bytes`) and the attention of the chunk's C queries against keys up to S
   (:func:`sharded_attention_bytes`): a sparse layer's group queries ``C x qg x d`` (bf16, all-gathered), gathered
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from ..config import sharding
 from ..config.m3 import M3Config
 from ..errors import M3Error
-from ..ops.prefill import PREFILL_CHUNKS, PREFILL_MAX_CHUNK, chunk_for
+from ..ops.prefill import PREFILL_TILES, PREFILL_MAX_TILE, tile_for
 
 GIB = 1024 ** 3
 HBM_PER_RANK_GIB = 24.0  # trn2 at LNC=2: one logical core's share of HBM
@@ -81,7 +81,7 @@ class MemoryPlan:
     reserve_bytes: int
     hbm_bytes: int
     notes: tuple[str, ...] = ()
-    chunk: int = 0  # replicated: the port's attention query chunk; sharded: tokens per prefill call (C)
+    chunk: int = 0  # replicated: the port's attention query tile; sharded: tokens per prefill call (C)
     phases: tuple[tuple[str, int], ...] = ()  # the two prefill phases (attention, MoE), the larger counted
     layout: str = "replicated"
     group: int = 1  # G: ranks sharing a KV head (the sharded caches are split G ways)
@@ -101,11 +101,6 @@ def _heads(c: M3Config, heads: int, tp: int) -> int:
     if not n:
         raise PlanError(sharding.model_problems(c, tp, 1) or [f"{heads} heads do not fit tp {tp}"])
     return n
-
-
-def group_size(c: M3Config, tp: int) -> int:
-    """G: the ranks holding one KV head (``sharding.kv_group_size``)."""
-    return sharding.kv_group_size(c, tp)
 
 
 def cache_multiple(c: M3Config, tp: int, layout: str) -> int:
@@ -160,23 +155,23 @@ def cache_bytes(c: M3Config, tp: int, batch: int, seq: int, layout: str = PORT_L
                 ) -> tuple[int, int]:
     """Per-rank (KV, index-K) cache bytes for ``batch`` sequences of ``seq`` tokens (rounded up to the bucket)."""
     s = cache_tokens(c, tp, seq, layout)
-    per_rank = s // group_size(c, tp) if layout == "sharded" else s
+    per_rank = s // sharding.kv_group_size(c, tp) if layout == "sharded" else s
     kvb = BF16 if kv_dtype == "bf16" else 1
     kv = _heads(c, c.num_kv_heads, tp)
     return (batch * per_rank * c.num_layers * 2 * kv * c.head_dim * kvb,
             batch * per_rank * sum(c.sparse_layers) * c.index_head_dim * kvb)
 
 
-def prefill_chunk(c: M3Config, seq: int, chunks: int = PREFILL_CHUNKS, max_chunk: int = PREFILL_MAX_CHUNK) -> int:
-    """Queries per chunk of a ``seq``-token prefill: the port's own rule (``ops.prefill.chunk_for``)."""
-    return chunk_for(seq, chunks, c.index_block_size, max_chunk)
+def prefill_tile(c: M3Config, seq: int, tiles: int = PREFILL_TILES, max_tile: int = PREFILL_MAX_TILE) -> int:
+    """Queries per tile of a ``seq``-token prefill call: the port's own rule (``ops.prefill.tile_for``)."""
+    return tile_for(seq, tiles, c.index_block_size, max_tile)
 
 
 def chunk_problems(c: M3Config, tp: int, seq: int, chunk: int) -> list[str]:
     """Why the sharded layout cannot prefill in calls of ``chunk`` tokens for a ``seq``-token context, with the
     sizes that would work (empty: it can)."""
     m, bucket = cache_multiple(c, tp, "sharded"), cache_tokens(c, tp, seq, "sharded")
-    g = group_size(c, tp)
+    g = sharding.kv_group_size(c, tp)
     out = []
     if chunk < 1 or chunk % m:
         lo, hi = max(m, chunk // m * m), max(m, chunk // m * m + m)
@@ -191,10 +186,10 @@ def chunk_problems(c: M3Config, tp: int, seq: int, chunk: int) -> list[str]:
     return out
 
 
-def attention_chunk_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chunk: int | None = None
+def attention_tile_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chunk: int | None = None
                           ) -> dict[str, int]:
-    """Replicated layout: per-rank bytes one query chunk of a one-call prefill creates (its last chunk, whose keys
-    reach ``seq``), as ``ops.prefill_step`` builds it, all counted live at once.
+    """Replicated layout: per-rank bytes one query tile of a one-call prefill creates (its last tile, whose keys
+    reach ``seq``), as ``ops.attention_step`` builds it (``tile=chunk`` queries), all counted live at once.
 
     Sparse layers (when ``seq`` holds more than ``index_topk`` blocks; fewer and every chunk is dense causal):
     the gathered K and V, ``chunk x topk x block x head_dim`` per KV head (bf16 each); the fp32 scores and
@@ -203,7 +198,7 @@ def attention_chunk_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, ch
     the selection ``chunk x topk`` (int64). Dense layers (NxDI's chunked causal path, no flash kernel): fp32 scores
     and probabilities ``chunk x S`` per query head and the boolean causal mask ``chunk x S``. Returns the terms
     of the larger of the two."""
-    chunk = prefill_chunk(c, seq) if chunk is None else chunk
+    chunk = prefill_tile(c, seq) if chunk is None else chunk
     b, bs, k = ctx_batch, c.index_block_size, c.index_topk
     q, kv, iq = _heads(c, c.num_heads, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
     nblk = -(-seq // bs)
@@ -225,7 +220,7 @@ def attention_chunk_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, ch
 def sharded_attention_bytes(c: M3Config, tp: int, seq: int, chunk: int) -> dict[str, int]:
     """Sharded layout: per-rank bytes of one prefill call's attention, its ``chunk`` queries against the keys of a
     ``seq``-token context (the module docstring lists each term); the larger of a sparse and a dense layer's."""
-    g, bs, k, d = group_size(c, tp), c.index_block_size, c.index_topk, c.head_dim
+    g, bs, k, d = sharding.kv_group_size(c, tp), c.index_block_size, c.index_topk, c.head_dim
     kv, iq = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
     qg = c.q_per_kv * kv  # the query heads of the rank's KV groups, all-gathered within the group
     s = cache_tokens(c, tp, seq, "sharded")
@@ -268,9 +263,9 @@ def prefill_phases(c: M3Config, tp: int, ep: int, seq: int, ctx_batch: int = 1, 
                    moe_block: int = 512) -> dict[str, int]:
     """Replicated layout: per-rank bytes of the two phases of a layer's prefill, which run one after the other (the
     MoE reads the attention's output; the next layer's attention the MoE's), so only the larger is live: one
-    attention chunk (:func:`attention_chunk_bytes`; the chunks of a layer run one at a time) and the MoE."""
+    attention tile (:func:`attention_tile_bytes`; the tiles of a layer run one at a time) and the MoE."""
     return {
-        "attention chunk": sum(attention_chunk_bytes(c, tp, seq, ctx_batch, chunk).values()),
+        "attention tile": sum(attention_tile_bytes(c, tp, seq, ctx_batch, chunk).values()),
         "MoE": moe_bytes(c, tp, ep, ctx_batch * seq, moe_block),
     }
 
@@ -288,7 +283,7 @@ def prefill_persistent_bytes(c: M3Config, tp: int, tokens: int, ctx_batch: int =
 
 
 def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_dtype: str, ctx_batch: int,
-          chunks: int, max_chunk: int, moe_block: int, reserve: int, hbm: int, layout: str, chunk: int
+          tiles: int, max_tile: int, moe_block: int, reserve: int, hbm: int, layout: str, chunk: int
           ) -> MemoryPlan:
     w, _ = weight_bytes(c, tp, ep, weights)
     kv_cache, index_k = cache_bytes(c, tp, batch, seq, layout, kv_dtype)
@@ -297,10 +292,10 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
         phases = {"attention": sum(sharded_attention_bytes(c, tp, seq, chunk).values()),
                   "MoE": moe_bytes(c, tp, ep, chunk, moe_block)}
     else:
-        tokens, chunk = ctx_batch * seq, prefill_chunk(c, seq, chunks, max_chunk)
+        tokens, chunk = ctx_batch * seq, prefill_tile(c, seq, tiles, max_tile)
         phases = prefill_phases(c, tp, ep, seq, ctx_batch, chunk, moe_block)
     prefill = sum(prefill_persistent_bytes(c, tp, tokens, ctx_batch).values()) + max(phases.values())
-    notes, g = [], group_size(c, tp)
+    notes, g = [], sharding.kv_group_size(c, tp)
     i_tp = c.intermediate_size // sharding.moe_tp(tp, ep)
     if sharding.moe_tp(tp, ep) > 1 and i_tp % SHARD_ON_I_MULTIPLE:
         padded = -(-i_tp // SHARD_ON_I_MULTIPLE) * SHARD_ON_I_MULTIPLE
@@ -321,21 +316,21 @@ def chunk_choices(c: M3Config, tp: int, seq: int, cap: int = MAX_CHUNK) -> list[
 
 
 def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
-         ctx_batch: int | None = None, chunks: int = PREFILL_CHUNKS, max_chunk: int = PREFILL_MAX_CHUNK,
+         ctx_batch: int | None = None, tiles: int = PREFILL_TILES, max_tile: int = PREFILL_MAX_TILE,
          moe_block: int = 512, reserve_gib: float = 3.0, hbm_gib: float = HBM_PER_RANK_GIB,
          layout: str = PORT_LAYOUT, chunk: int | None = None) -> MemoryPlan:
     """Per-rank HBM for serving ``batch`` sequences of up to ``seq`` tokens on a ``tp`` x ``ep`` layout.
 
-    ``replicated``: the prefill's query chunk follows ``chunks`` / ``max_chunk`` (the port's ``prefill_chunks`` /
-    ``prefill_max_chunk``); ``ctx_batch`` sequences per prefill (1: continuous batching). ``sharded``: prompts
+    ``replicated``: the prefill's query chunk follows ``chunks`` / ``max_tile`` (the port's ``prefill_tiles`` /
+    ``prefill_max_tile``); ``ctx_batch`` sequences per prefill (1: continuous batching). ``sharded``: prompts
     are prefilled one request per call in calls of ``chunk`` tokens (refused with :class:`ChunkError` when the
     layout cannot use it); ``None`` picks the largest of :func:`chunk_choices` that fits (else the smallest)."""
     if weights not in ("bf16", "fp8") or kv_dtype not in ("bf16", "fp8"):
         raise PlanError("weights and kv dtype are bf16 or fp8")
     if layout not in LAYOUTS:
         raise PlanError(f"layout {layout!r} is one of {', '.join(LAYOUTS)}")
-    if min(tp, ep, batch, seq, chunks, max_chunk, moe_block) < 1:
-        raise PlanError("tp, ep, batch, seq, chunks, max_chunk and moe_block must be positive")
+    if min(tp, ep, batch, seq, tiles, max_tile, moe_block) < 1:
+        raise PlanError("tp, ep, batch, seq, tiles, max_tile and moe_block must be positive")
     ctx_batch = 1 if ctx_batch is None else ctx_batch  # what NeuronEngine runs: one request per prefill
     if layout == "replicated" and chunk is not None:
         raise PlanError("a prefill chunk (tokens per call) is the sharded layout's; the replicated layout "
@@ -343,7 +338,7 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     if layout == "sharded" and ctx_batch != 1:
         raise PlanError("the sharded layout prefills one request per call (ctx_batch 1)")
     _heads(c, c.num_heads, tp)
-    args = (c, tp, ep, batch, seq, weights, kv_dtype, ctx_batch, chunks, max_chunk, moe_block,
+    args = (c, tp, ep, batch, seq, weights, kv_dtype, ctx_batch, tiles, max_tile, moe_block,
             int(reserve_gib * GIB), int(hbm_gib * GIB), layout)
     if layout == "replicated":
         return _plan(*args, 0)

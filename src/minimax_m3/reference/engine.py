@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .. import ops, storage
+from .. import storage
+from ..config import sharding
 from ..config.m3 import M3Config
 from ..engine.loop import Engine, EngineInputError
 from ..engine.spec import EngineSpec
@@ -64,7 +65,7 @@ class ReferenceProvider:
         """Prefill a batch aligned at position 0 (right-padded) into a new cache of ``cache_len`` positions, in
         calls of at most ``prefill_chunk`` tokens (each row's last logits come from the call holding its last
         token). With ``_taps``, the states entering those layers at every position are kept in ``_hidden``."""
-        ops.sharded.check_chunk(self.prefill_chunk, self.config.index_block_size)
+        sharding.check_call(self.prefill_chunk, self.config.index_block_size)
         b, s = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(b, s, dtype=torch.long)
         for i, p in enumerate(prompts):

@@ -1,7 +1,7 @@
 """Device fast paths of the reference backend; each computes what an ``ops`` function computes, tested equal to it.
 
 **Sparse prefill through FlexAttention** (on CUDA by default; any device when asked). The indexer's per-query block
-selection comes from ``ops.select_blocks_for_queries`` (in query tiles, so the index scores never exceed
+selection comes from ``ops.prefill_blocks`` (in query tiles, so the index scores never exceed
 ``tile x S`` per KV group), and ``ops.block_keep_mask`` turns it into a per-query *block* keep table. FlexAttention
 skips whole ``(query block, key block)`` tiles through a ``BlockMask``:
 
@@ -45,7 +45,7 @@ def select_prefill_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int, t
                           local_blocks: int, tile: int = 256) -> torch.Tensor:
     """Each query's selected key blocks ``[B, G, S, topk]`` (``-1`` = empty slot) for a prefill from position 0:
     ``ops.prefill_blocks`` over query chunks of ``tile`` (keys up to each chunk's end)."""
-    return ops.prefill_blocks(iq, ik, block_size, topk, init_blocks, local_blocks, chunk=tile)
+    return ops.prefill_blocks(iq, ik, block_size, topk, init_blocks, local_blocks, tile=tile)
 
 
 def sparse_block_mask(blocks: torch.Tensor, seq_len: int, block_size: int, q_per_kv: int) -> "BlockMask":
@@ -85,7 +85,7 @@ def sparse_block_mask(blocks: torch.Tensor, seq_len: int, block_size: int, q_per
 def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, blocks: torch.Tensor | None,
                  block_size: int, compiled: bool | None = None) -> torch.Tensor:
     """Causal prefill ``q [B, Hq, S, D]`` over ``k, v [B, Hkv, S, D]``: sparse with ``blocks [B, G, S, K]``, dense
-    causal without. Equal to ``ops.prefill_attention`` (tested)."""
+    causal without. Equal to ``ops.attention_step`` (tested)."""
     compiled = q.device.type == "cuda" if compiled is None else compiled
     s, r = q.shape[2], q.shape[1] // k.shape[1]
     if blocks is None:

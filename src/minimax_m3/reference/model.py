@@ -25,27 +25,18 @@ from .parallel import ShardPlan
 
 @dataclass
 class FastPaths:
-    """Which attention runs. Prefill: ``auto``: FlexAttention where it compiles to a fused kernel (CUDA), else the
-    tiled ``ops.prefill_attention``; ``flex``: FlexAttention anywhere (``flex_compile=None`` compiles on CUDA only);
-    ``plain``: always ``ops`` (the later calls of a chunked prefill always run ``ops.prefill_step`` over the cache).
-    Decode always reads only the selected blocks (``ops.decode_step``); its attention runs through
-    ``F.scaled_dot_product_attention`` (``decode="sdpa"``) or the plain formula (``"plain"``); ``auto``: SDPA on
-    CUDA, the plain formula elsewhere (on CPU its tall-skinny products stream the cold cache faster than SDPA's
-    kernel: 2-4% per decode step at 8K on the development machine)."""
+    """Which attention runs a prefill from position 0: ``auto``: FlexAttention where it compiles to a fused kernel
+    (CUDA), else the step (``ops.attention_step``, in query tiles); ``flex``: FlexAttention anywhere
+    (``flex_compile=None`` compiles on CUDA only); ``plain``: always the step. Every other call (the later calls of a
+    chunked prefill, decode, verify) runs the step."""
 
     prefill: str = "auto"
     flex_compile: bool | None = None
-    decode: str = "auto"
 
     def flex(self, device: torch.device) -> bool:
         if self.prefill not in ("auto", "flex", "plain"):
             raise ValueError(f"prefill implementation {self.prefill!r}; choose auto, flex or plain")
         return self.prefill == "flex" or (self.prefill == "auto" and fast.flex_default(device))
-
-    def sdpa(self, device: torch.device) -> bool:
-        if self.decode not in ("auto", "sdpa", "plain"):
-            raise ValueError(f"decode implementation {self.decode!r}; choose auto, sdpa or plain")
-        return self.decode == "sdpa" or (self.decode == "auto" and device.type == "cuda")
 
 
 class Norm(nn.Module):
@@ -162,38 +153,39 @@ class Attention(nn.Module):
         return out + [v.view(b, s, self.nkv, self.c.head_dim).transpose(1, 2)]
 
     def forward(self, x, rope, positions, cache: KVCache, layer: int, kv_len: int, decode: bool):
-        """The step itself is ``ops.prefill_step`` / ``ops.decode_step`` (shared with the Neuron port and the XLA
-        proofs); decode reads the prior caches plus this token's K/V, then the cache writes the new entries. A
-        prefill call covers positions ``kv_len - S .. kv_len - 1``: from position 0 its keys are its own tokens; a
-        later call of a chunked prefill writes its entries first and attends to the cache (the earlier calls'
-        tokens plus its own)."""
+        """The step itself is ``ops.attention_step`` on the group of one rank (the step the Neuron port and the XLA
+        proofs run): a call of ``S`` tokens per row at ``positions`` (``kv_len - S .. kv_len - 1`` for a prefill
+        call; one token per row in decode) attends to the prior cache (slots before the call) plus its own tokens,
+        then the cache writes the call's entries. A call from a block boundary reads its own keys by selected block
+        (``ops.call_active``); a decode step or a verify step from any position attends its few tokens densely
+        (``ops.token_active``). Prefill from position 0 may instead run FlexAttention (``FastPaths``)."""
         c = self.c
         b, s, _ = x.shape
         q, k, *index, v = self._rotary_heads(x, rope)
         sel = ops.Selection.of(c) if self.sparse else None
         iq, ik = (index[0], index[1][:, 0]) if self.sparse else (None, None)
-        later = not decode and kv_len > s  # a later call of a chunked prefill
-        if later:
-            self._write(cache, layer, k, v, ik, positions)
-        if decode:  # one token per row at positions[:, 0]
-            if self.sparse:  # whole K/V caches (sparse decode pages them by block), index keys in whole blocks
-                n = -(-kv_len // c.index_block_size) * c.index_block_size
-                kc, vc, ikc = cache.k[layer], cache.v[layer], cache.index_k[layer][:, :n]
-            else:
-                kc, vc, ikc = cache.k[layer][:, :, :kv_len], cache.v[layer][:, :, :kv_len], None
-            out = ops.decode_step(q, kc, vc, k, v, positions[:, 0], c.softmax_scale, sel, iq, ikc, ik,
-                                  sdpa=self.paths.sdpa(q.device))
-        elif later:  # keys: the cache the earlier calls wrote plus this call's tokens (written above)
-            ikc = cache.index_k[layer] if self.sparse else None
-            out = ops.prefill_step(q, cache.k[layer], cache.v[layer], c.softmax_scale, cache.tile, sel, iq, ikc,
-                                   start=kv_len - s)
-        elif self.paths.flex(q.device):
+        start = kv_len - s
+        if not decode and start == 0 and self.paths.flex(q.device):
             blocks = fast.select_prefill_blocks(iq, ik, tile=cache.tile, **sel.kwargs()) if self.sparse else None
             out = fast.flex_prefill(q, k, v, c.softmax_scale, blocks, c.index_block_size, self.paths.flex_compile)
-        else:  # prefill from position 0: keys are this call's own tokens
-            out = ops.prefill_step(q, k, v, c.softmax_scale, cache.tile, sel, iq, ik)
-        if not later:
-            self._write(cache, layer, k, v, ik, positions)
+        else:
+            q_pos = positions.to(torch.int64)
+            first = q_pos[:, 0]
+            if decode or start % c.index_block_size:  # a few tokens per row from any position
+                act = ops.token_active(k, v, ik, q_pos, 0, 1)
+            else:  # a prefill call from a block boundary
+                act = ops.call_active(k, v, ik, first, 0, 1)
+            kc = vc = ikc = None
+            if kv_len > s:  # what the earlier calls (or steps) wrote: whole caches (sparse layers page them by
+                # block), index keys in whole blocks up to the call's end; dense layers read the slots before it
+                n = -(-kv_len // c.index_block_size) * c.index_block_size
+                if self.sparse:
+                    kc, vc, ikc = cache.k[layer], cache.v[layer], cache.index_k[layer][:, :n]
+                else:
+                    kc, vc = cache.k[layer][:, :, :start], cache.v[layer][:, :, :start]
+            out = ops.attention_step(q, kc, vc, act, q_pos, first, 0, ops.Alone(), c.softmax_scale, sel, iq, ikc,
+                                     tile=cache.tile)
+        self._write(cache, layer, k, v, ik, positions)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nq * c.head_dim))
 
     def _write(self, cache: KVCache, layer: int, k, v, ik, positions) -> None:
