@@ -5,7 +5,8 @@ Oracle: the files on disk. Every ``docs/NAME.md`` or ``docs/notes/NAME.md`` name
 contrib/, docs/, README.md or HISTORY.md must exist, and no reference to the old location outside the repository
 (``shared/docs``, ``../shared/ARCHITECTURE.md``) may remain. (``../shared/third_party``, where the test scripts look
 for the pinned NxDI/NxD sources, is not a note.) The relative links of the entry pages, of every page in ``docs/``
-and of every note in ``docs/notes/`` name files that exist and headings they hold (GitHub's anchor rule).
+and of every note in ``docs/notes/`` name files that exist and headings they hold (GitHub's anchor rule). Every note
+opens with a dated header naming the commits it describes and was checked against.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ def test_docs_holds_the_pages_and_docs_notes_the_notes():
     assert PAGES <= {p.name for p in (REPO / "docs").glob("*.md")}
     assert NOTES <= {p.name for p in (REPO / "docs" / "notes").glob("*.md")}
     assert not NOTES & {p.name for p in (REPO / "docs").glob("*.md")}, "a note left in docs/ beside its copy"
+
+
+def test_every_note_opens_with_its_date_and_the_tree_it_describes():
+    """The first lines after a note's title: a date (YYYY-MM-DD) and at least one commit (7+ hex digits)."""
+    bad = []
+    for p in sorted((REPO / "docs" / "notes").glob("*.md")):
+        head = "\n".join(p.read_text().splitlines()[1:8])
+        if not (re.search(r"\b20\d\d-\d\d-\d\d\b", head) and re.search(r"\b(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", head)):
+            bad.append(p.name)
+    assert not bad, f"notes without a dated header naming their tree: {bad}"
 
 
 def test_every_cited_note_exists_and_none_points_outside():
