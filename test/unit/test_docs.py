@@ -1,9 +1,12 @@
-"""The notes the code and README cite live in the repository (``docs/``), not beside it.
+"""The pages and notes the code and README cite live in the repository (``docs/``, background notes in
+``docs/notes/``), not beside it.
 
-Oracle: the files on disk. Every ``docs/NAME.md`` named in src/, test/, scripts/ or README.md must exist, and no
-reference to the old location outside the repository (``shared/docs``, ``../shared/ARCHITECTURE.md``) may remain.
-(``../shared/third_party``, where the test scripts look for the pinned NxDI/NxD sources, is not a note.) The entry
-pages' relative links name files that exist and headings they hold (GitHub's anchor rule).
+Oracle: the files on disk. Every ``docs/NAME.md`` or ``docs/notes/NAME.md`` named in src/, test/, scripts/,
+contrib/, docs/, README.md or HISTORY.md must exist, and no reference to the old location outside the repository
+(``shared/docs``, ``../shared/ARCHITECTURE.md``) may remain. (``../shared/third_party``, where the test scripts look
+for the pinned NxDI/NxD sources, is not a note.) The relative links of the entry pages, of every page in ``docs/``
+and of every note in ``docs/notes/`` name files that exist and headings they hold (GitHub's anchor rule). Every note
+opens with a dated header naming the commits it describes and was checked against.
 """
 
 from __future__ import annotations
@@ -13,22 +16,37 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CITE = re.compile(r"docs/([A-Za-z0-9_]+\.md)")
+CITE = re.compile(r"(?<![\w./-])docs/((?:notes/)?[A-Za-z0-9_]+\.md)")  # not another repository's .../docs/x.md
 OUTSIDE = re.compile(r"shared/docs|shared/ARCHITECTURE")
+PAGES = {"ARCHITECTURE.md", "neuron.md", "reference.md", "workflows.md", "long_context.md", "long_context_port.md",
+         "speculative.md", "results.md"}
+NOTES = {"m3_model_and_formats.md", "nxdi_api.md", "longbench_protocol.md", "oracle_notes.md", "hlo_gate.md",
+         "trn2_port_review.md", "vllm_neuron.md", "perf_anchors.md", "peer_port_review.md"}
 
 
 def _texts():
-    for root in ("src", "test", "scripts"):
+    for root in ("src", "test", "scripts", "contrib", "docs"):
         for p in (REPO / root).rglob("*"):
             if p.suffix in (".py", ".sh", ".md", ".toml", ".txt") and p.name != "test_docs.py":
                 yield p
     yield REPO / "README.md"
+    yield REPO / "HISTORY.md"
 
 
-def test_docs_directory_holds_the_architecture_and_notes():
-    names = {p.name for p in (REPO / "docs").glob("*.md")}
-    assert {"ARCHITECTURE.md", "m3_model_and_formats.md", "nxdi_api.md", "longbench_protocol.md", "oracle_notes.md",
-            "hlo_gate.md", "trn2_port_review.md", "vllm_neuron.md", "perf_anchors.md"} <= names
+def test_docs_holds_the_pages_and_docs_notes_the_notes():
+    assert PAGES <= {p.name for p in (REPO / "docs").glob("*.md")}
+    assert NOTES <= {p.name for p in (REPO / "docs" / "notes").glob("*.md")}
+    assert not NOTES & {p.name for p in (REPO / "docs").glob("*.md")}, "a note left in docs/ beside its copy"
+
+
+def test_every_note_opens_with_its_date_and_the_tree_it_describes():
+    """The first lines after a note's title: a date (YYYY-MM-DD) and at least one commit (7+ hex digits)."""
+    bad = []
+    for p in sorted((REPO / "docs" / "notes").glob("*.md")):
+        head = "\n".join(p.read_text().splitlines()[1:8])
+        if not (re.search(r"\b20\d\d-\d\d-\d\d\b", head) and re.search(r"\b(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", head)):
+            bad.append(p.name)
+    assert not bad, f"notes without a dated header naming their tree: {bad}"
 
 
 def test_every_cited_note_exists_and_none_points_outside():
@@ -42,10 +60,12 @@ def test_every_cited_note_exists_and_none_points_outside():
     assert not outside, "notes cited outside the repository (use docs/...):\n" + "\n".join(outside)
 
 
-def test_architecture_cites_only_notes_that_exist():
+def test_architecture_cites_only_pages_and_notes_that_exist():
     text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
-    named = set(re.findall(r"`([a-z0-9_]+\.md)`", text))
-    assert named and all((REPO / "docs" / n).is_file() for n in named), sorted(named)
+    named = set(re.findall(r"`((?:notes/)?[a-z0-9_]+\.md)`", text))
+    assert {n for n in named if n.startswith("notes/")}, "ARCHITECTURE names no note"
+    missing = sorted(n for n in named if not (REPO / "docs" / n).is_file())
+    assert not missing, missing
 
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -82,11 +102,12 @@ def _link_problems(md: Path) -> list[str]:
     return out
 
 
-def test_every_relative_link_of_the_entry_pages_resolves():
-    """README, HISTORY, the contrib README and the project's own docs pages: every relative link names a file that
-    exists and, with ``#anchor``, a heading of it."""
+def test_every_relative_link_of_the_entry_pages_and_notes_resolves():
+    """README, HISTORY, the contrib README, every page of ``docs/`` and every note of ``docs/notes/``: every relative
+    link names a file that exists and, with ``#anchor``, a heading of it."""
     pages = [REPO / "README.md", REPO / "HISTORY.md", REPO / "contrib/models/MiniMax-M3/README.md",
-             *(REPO / "docs" / n for n in ("neuron.md", "reference.md", "workflows.md", "results.md"))]
+             *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "docs" / "notes").glob("*.md"))]
+    assert len(pages) >= 3 + len(PAGES) + len(NOTES)
     problems = [p for md in pages for p in _link_problems(md)]
     assert not problems, "\n".join(problems)
 

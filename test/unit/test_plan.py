@@ -25,7 +25,7 @@ def test_m3_tp64_ep64_bf16_weights_by_hand():
     # routers in fp32: 57 x (128 x 6144 + 128) x 4 bytes
     assert parts["routers (fp32)"] == 57 * (786_432 + 128) * 4 == 179_335_680
     assert parts["norms"] == 121 * 6144 * 2
-    # the whole routed-expert set, 413.1 B params (docs/perf_anchors.md §5.1), spread over 64 ranks
+    # the whole routed-expert set, 413.1 B params (docs/notes/perf_anchors.md §5.1), spread over 64 ranks
     assert parts["routed experts"] * 64 / 2 == pytest.approx(413.1e9, rel=1e-3)
 
 

@@ -2,9 +2,14 @@
 the same key (a second CI run on the machine must hit what the first stored), and any change to an input does not.
 
 Oracle: two copies of a miniature repository built here, one with the ``*.egg-info`` folder an editable install may
-leave under ``src/`` (text files the key once hashed, so a clone with it and one without never shared a result)."""
+leave under ``src/`` (text files the key once hashed, so a clone with it and one without never shared a result); a
+``constraints/`` file written here; a fake list of installed distributions (a changed pin, torch-xla's say, once
+reused results stored under the old version)."""
 
 import shutil
+from types import SimpleNamespace
+
+import pytest
 
 from test.support.neuron import result_cache
 
@@ -60,3 +65,47 @@ def test_a_run_not_kept_runs_again_and_a_kept_one_does_not(tmp_path, monkeypatch
         got = result_cache.cached("launch", ["2"], [], tmp_path / "out", produce(rc), keep=keep)
         assert (tmp_path / "out" / "report.txt").read_text() == got
     assert ran == [1, 1, 0]  # the failed run ran twice, the passing one once: the fourth call read it back
+
+
+@pytest.fixture
+def fresh_versions():
+    """``installed_versions`` is read once per process: clear it around a test that fakes the installed set."""
+    result_cache.installed_versions.cache_clear()
+    yield
+    result_cache.installed_versions.cache_clear()
+
+
+def test_a_changed_pin_or_installed_version_changes_the_key(tmp_path, monkeypatch, fresh_versions):
+    monkeypatch.delenv("NXDI_SRC", raising=False)
+    monkeypatch.delenv("NXD_SRC", raising=False)
+    root = _repo(tmp_path / "repo", False)
+    monkeypatch.setattr(result_cache, "REPO", root)
+    (root / "constraints").mkdir()
+    (root / "constraints" / "nxdi.txt").write_text("torch-xla==2.9.0\n")
+    dists = [("torch-xla", "2.9.0"), ("Zeta_Pkg", "1.0"), ("numpy", "2.1.0")]
+    monkeypatch.setattr(result_cache.importlib.metadata, "distributions", lambda: [
+        SimpleNamespace(metadata={"Name": n}, version=v) for n, v in dists])
+
+    def key():
+        result_cache.installed_versions.cache_clear()
+        return result_cache.inputs_key("mod", ["--tp", "2"], [])
+
+    first = key()
+    assert result_cache.installed_versions() == (("numpy", "2.1.0"), ("torch-xla", "2.9.0"), ("zeta-pkg", "1.0"))
+    dists.reverse()  # the order distributions are found in is not an input
+    assert key() == first
+    dists[-1] = ("torch-xla", "2.9.1")
+    bumped = key()
+    assert bumped != first
+    dists[-1] = ("torch-xla", "2.9.0")
+    assert key() == first
+    dists.append(("vllm", "0.13.0"))
+    assert key() != first
+    dists.pop()
+    (root / "constraints" / "nxdi.txt").write_text("torch-xla==2.9.1\n")
+    pinned = key()
+    assert pinned not in (first, bumped)
+    (root / "constraints" / "vllm.txt").write_text("vllm==0.13.0\n")
+    assert key() not in (first, bumped, pinned)
+    shutil.rmtree(root / "constraints")
+    assert key() not in (first, bumped, pinned)

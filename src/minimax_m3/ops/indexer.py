@@ -1,6 +1,6 @@
 """The lightning indexer: per query and KV group, pick the top-k key blocks to attend to.
 
-Semantics (see docs/m3_model_and_formats.md §6.1): index head g serves KV head g. The token score
+Semantics (see docs/notes/m3_model_and_formats.md §6.1): index head g serves KV head g. The token score
 ``iq_g(p) . ik(t)`` (float32, no scale) is masked causally at token level (``t <= p``), max-pooled over blocks
 of ``block_size`` absolute positions, the ``init`` blocks and the query's own ``local`` blocks are forced in,
 and the top-k blocks win. Slots that only found future/empty blocks are ``-1``.

@@ -1,6 +1,6 @@
 """Time floors per rank: the decode HBM floor, the prefill's FLOPs and bytes, the collectives, a TTFT estimate.
 
-Figures (trn2.48xlarge at LNC 2, one logical core = two NeuronCore-v3; ``docs/perf_anchors.md``):
+Figures (trn2.48xlarge at LNC 2, one logical core = two NeuronCore-v3; ``docs/notes/perf_anchors.md``):
 
 * HBM 725 GB/s per logical core (46.4 TB/s / 64; §0, §1.3);
 * dense BF16 167 TFLOP/s per logical core: 10.7 PFLOPS per instance / 64 logical cores (= 667 TFLOPS per chip / 4;

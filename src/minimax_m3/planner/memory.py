@@ -49,7 +49,7 @@ HBM_PER_RANK_GIB = 24.0  # trn2 at LNC=2: one logical core's share of HBM
 BF16, FP32 = 2, 4
 INT64 = 8  # block ids of the selection
 FP8 = 1  # e4m3 routed-expert weight; plus an fp32 scale per expert and output channel (checkpoint.fp8_experts)
-HBM_BYTES_PER_S = 725e9  # one logical core's share of trn2 HBM bandwidth at LNC=2 (docs/perf_anchors.md)
+HBM_BYTES_PER_S = 725e9  # one logical core's share of trn2 HBM bandwidth at LNC=2 (docs/notes/perf_anchors.md)
 SHARD_ON_I_MULTIPLE = 256  # NxDI SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP (pads I/moe_tp with shard-on-I kernels)
 LAYOUTS = ("replicated", "sharded")
 PORT_LAYOUT = "sharded"  # what the port runs (neuron.config's kv_layout default): the library's default

@@ -41,7 +41,7 @@ from .cost import COLLECTIVE_LATENCY_S, PEAK_FLOPS_PER_S, _per_token_flops, coll
 from .memory import BF16, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens
 
 # An assumed draft for MiniMax-M3 when none is given: the published EAGLE3 head is a one-layer Llama fed by the
-# target's hidden size with MHA attention (docs/m3_model_and_formats.md §3.4); its heads, MLP width and draft
+# target's hidden size with MHA attention (docs/notes/m3_model_and_formats.md §3.4); its heads, MLP width and draft
 # vocabulary are assumptions here (64 x 128, 16384, 32000). The draft vocabulary does not enter the projection: the
 # port folds it into a full-vocabulary head (module docstring).
 M3_DRAFT = DraftConfig(hidden_size=6144, num_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=16384,

@@ -3,10 +3,11 @@
 A graph-harness dry run, the TP 1 execution of its modules, a pre-sharding run and a ``torchrun`` launch of the
 CPU-mode suite at TP 2 or 4 are each a pure function of their inputs: the files they read (a checkpoint, a dry run's
 modules, a request, the test tree), their arguments, this repository's package and test support code, the NxDI/NxD
-sources and the library versions. :func:`cached` keeps a run's output folder and stdout under a key hashing all of
-them (like neuronx-cc's own compile cache, or a build system's test-result cache), so a second run of the suites on
-the same machine and tree copies them instead of running again; any change to any input is a new key. The tests
-still check every file they read (a launch's per-rank outcomes and logs are graded as if it had just run).
+sources, the ``constraints/`` pins, the Python version and every installed distribution's version. :func:`cached`
+keeps a run's output folder and stdout under a key hashing all of them (like neuronx-cc's own compile cache, or a
+build system's test-result cache), so a second run of the suites on the same machine and tree copies them instead of
+running again; any change to any input is a new key. The tests still check every file they read (a launch's per-rank
+outcomes and logs are graded as if it had just run).
 
 ``MINIMAX_M3_TRACE_CACHE`` names the folder (default ``~/.cache/minimax-m3/traces``); ``off`` runs everything every
 time. Point it at an empty folder to time a first run.
@@ -14,7 +15,9 @@ time. Point it at an empty folder to time a first run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -37,14 +40,31 @@ def _tree_digest(h, root: Path, suffixes: tuple[str, ...] | None) -> None:
             h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
 
 
+@functools.cache
+def installed_versions() -> tuple[tuple[str, str], ...]:
+    """Every installed distribution of this interpreter as (name, version), sorted: torch-xla, NxD's and vLLM's
+    dependencies, ... (a changed pin must not reuse a result). Read once per process."""
+    found = set()
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"] if dist.metadata else None
+        if name:
+            found.add((name.lower().replace("_", "-"), dist.version))
+    return tuple(sorted(found))
+
+
 def inputs_key(name: str, args: list[str], inputs: list[Path]) -> str:
     """The key of ``name`` run with ``args`` over the files under ``inputs`` (every file; a folder's relative paths,
-    so the same files elsewhere give the same key), this repository's code and the NxDI/NxD sources."""
+    so the same files elsewhere give the same key), this repository's code, its ``constraints/`` pins, the NxDI/NxD
+    sources, the Python version and every installed distribution's version."""
     import torch
     import transformers
 
     h = hashlib.sha256()
-    h.update(json.dumps([name, args, sys.version, torch.__version__, transformers.__version__]).encode())
+    h.update(json.dumps([name, args, sys.version, torch.__version__, transformers.__version__,
+                         installed_versions()]).encode())
+    if (REPO / "constraints").is_dir():
+        h.update(b"\1constraints\0")
+        _tree_digest(h, REPO / "constraints", None)
     # the package's own folder, not src/: an editable install may leave a *.egg-info (text files) there in one clone
     # and not in the next, which would change every key between two runs of the same tree
     for root in (REPO / "src" / "minimax_m3", REPO / "test" / "support",
