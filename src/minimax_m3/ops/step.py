@@ -14,8 +14,9 @@ after the layer, as NxDI does): a call of ``T`` tokens per row at positions ``q_
 * the PRIOR keys: the rank's slots of positions ``< start`` (the cache line; ``None`` when nothing precedes the
   call), and
 * the ACTIVE keys, the call's own tokens this rank will own: :func:`call_active` for a call that starts on a block
-  boundary (a prefill call; its keys are read by selected block, like the prior), :func:`token_active` for a few
-  tokens from any position (decode, a speculative verify step; attended densely, masked to the selected blocks).
+  boundary (a prefill call; with no prior its keys are read by selected block, the block-sparse minimum; after a
+  prior they are scored densely and masked to the selected blocks), :func:`token_active` for a few tokens from any
+  position (decode, a speculative verify step; attended densely, masked to the selected blocks).
 
 **Step**, per layer: sparse layers score the rank's prior and active index keys per block (the lightning indexer,
 :func:`block_scores`) and keep their local top-k candidates (in query tiles: the index scores of one tile at a
@@ -106,7 +107,7 @@ class Alone:
 class Active:
     """The rank's active keys: ``k, v [B, H, A, D]`` at positions ``pos [B, A]`` (a position after every query when
     the rank owns none), index keys ``ik [B, A, Di]`` on sparse layers. ``blocked``: a call's own keys from a block
-    boundary (:func:`call_active`), read by selected block; otherwise a few tokens, attended densely."""
+    boundary (:func:`call_active`; a query tile sees only those up to its end), otherwise a few tokens."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -203,37 +204,31 @@ def _by_block(x: torch.Tensor, per: int) -> torch.Tensor:
 
 
 def _sparse(q, k, v, act: Active, q_pos, start, blocks, block_size: int, rank, group: int, scale: float):
-    """One query tile of a sparse layer: each query reads its ``K`` selected blocks (``K x per`` keys), from the
-    prior cache for blocks before the call's first and from the call's own keys for the others (blocked active),
-    or the prior's blocks plus the few active tokens (token active). ``(out, max, sum)``."""
+    """One query tile of a sparse layer: each query reads its ``K`` selected blocks (``K x per`` keys). A call with
+    nothing before it (``k`` None; its own keys from a block boundary) gathers them from its own keys; otherwise from
+    the prior, plus the call's own keys where their block is selected (scored densely, then masked: the waste of a
+    later prefill call, ``1 + T/(K x block)`` times the block-sparse FLOPs). ``(out, max, sum)``."""
     b, hq, t, d = q.shape
     h, kk, per = act.k.shape[1], blocks.shape[-1], block_size // group
     r = hq // h
     ids = blocks.clamp(min=0)
     key_pos = ((ids * block_size).unsqueeze(-1) + torch.arange(per, device=q.device) * group
                + rank_index(rank, q.device)).view(b, h, t, kk * per)
-    if act.blocked:  # every selected key from the block's home: the prior (before the call) or the call itself
+    qg = q.reshape(b, h, r, t, d).transpose(2, 3)  # [B, H, T, r, D]: the heads share the gather
+    if k is None:  # every selected block from the call's own keys (a call from position 0 on a block boundary)
         nact = -(-act.k.shape[2] // per)
-        first = (start // block_size).view(b, 1, 1, 1)
-        own = (ids - first).clamp(0, nact - 1)
-        kg, vg = _gather(_by_block(act.k, per), own, nact), _gather(_by_block(act.v, per), own, nact)
-        if k is not None:
-            nblk = k.shape[2] // per
-            prior = (blocks < first).repeat_interleave(per, dim=-1).unsqueeze(-1)
-            kg = torch.where(prior, _gather(k, ids.clamp(max=nblk - 1), nblk), kg)
-            vg = torch.where(prior, _gather(v, ids.clamp(max=nblk - 1), nblk), vg)
+        kg, vg = _gather(_by_block(act.k, per), ids.clamp(max=nact - 1), nact), \
+            _gather(_by_block(act.v, per), ids.clamp(max=nact - 1), nact)
         keep = (blocks >= 0).repeat_interleave(per, dim=-1) & (key_pos <= q_pos.view(b, 1, t, 1))
-        qg = q.reshape(b, h, r, t, d).transpose(2, 3)  # [B, H, T, r, D]: the heads share the gather
         scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [B, H, T, r, K * per]
         p, top, total = partial_softmax(scores, keep.unsqueeze(3).expand_as(scores))
         out = torch.matmul(p.to(vg.dtype), vg)
-    else:  # the prior's selected blocks, plus the few active tokens where their block is selected
+    else:  # the prior's selected blocks, plus the call's own keys where their block is selected
         a, nblk = act.k.shape[2], k.shape[2] // per
         kg, vg = _gather(k, ids.clamp(max=nblk - 1), nblk), _gather(v, ids.clamp(max=nblk - 1), nblk)
         prior_keep = (blocks >= 0).repeat_interleave(per, dim=-1) & (key_pos < start.view(b, 1, 1, 1))
         picked = ((act.pos // block_size).view(b, 1, 1, 1, a) == blocks.unsqueeze(-1)).any(dim=-2)  # [B, H, T, A]
         act_keep = picked & (act.pos.view(b, 1, 1, a) <= q_pos.view(b, 1, t, 1))
-        qg = q.reshape(b, h, r, t, d).transpose(2, 3)
         prior = torch.matmul(qg, kg.transpose(-1, -2))  # [B, H, T, r, K * per]
         active = torch.matmul(qg, act.k.transpose(-1, -2).unsqueeze(2))  # [B, H, T, r, A]
         keep = torch.cat([prior_keep, act_keep], dim=-1).unsqueeze(3).expand(b, h, t, r, kk * per + a)

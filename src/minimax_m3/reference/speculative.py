@@ -4,8 +4,8 @@ EAGLE3 drafter beside the target model.
 The generation loop (:meth:`minimax_m3.engine.Engine.generate`) calls, per step of a group's live rows:
 ``propose`` (each row's drafter catches up on the target states it has not seen, then drafts ``k`` tokens; the loop
 chooses each one), ``verify`` (ONE target forward per row over ``[last token, drafts...]`` at positions
-``p .. p + k`` on that row's cache: the chunked-prefill path, ``ops.prefill_step(start=p)``, which writes the
-``k + 1`` entries and attends causally over the cache) and ``accept`` (how many drafts the loop kept).
+``p .. p + k`` on that row's cache: the chunked-prefill path, ``ops.attention_step`` over the cache before ``p`` plus
+the ``k + 1`` tokens, which the cache then writes) and ``accept`` (how many drafts the loop kept).
 
 Rejected drafts leave K/V, index keys and draft-cache entries past the accepted prefix. They are never read: every
 read is causal (attention keeps keys ``<=`` the query, the indexer scores ``-inf`` past it, decode reads the slots
@@ -13,7 +13,7 @@ read is causal (attention keeps keys ``<=`` the query, the indexer scores ``-inf
 slot a later query reads was rewritten first (tested: a poisoned cache past the position changes nothing).
 
 Rows are verified one at a time (batch-1 forwards on a view of the row's cache): rows sit at different positions
-and ``ops.prefill_step`` takes one start per call. A batched verify needs per-row starts there (the Neuron port's
+and the reference's forward takes one ``kv_len`` per call. A batched verify needs per-row starts there (the Neuron port's
 fused speculation will).
 """
 
