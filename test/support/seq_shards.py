@@ -71,14 +71,16 @@ def shard(cache: torch.Tensor, group: int, seq_dim: int) -> list[torch.Tensor]:
     return [cache.index_select(seq_dim, torch.arange(r, s, group, device=cache.device)) for r in range(group)]
 
 
-def write_call(shard_: torch.Tensor, new: torch.Tensor, start: int, rank, group: int, seq_dim: int) -> torch.Tensor:
+def write_call(shard_: torch.Tensor, new: torch.Tensor, start, rank, group: int, seq_dim: int) -> torch.Tensor:
     """Write ``rank``'s tokens of a call into its shard, in place: ``new`` holds ``T`` tokens (``T`` a multiple of
-    ``G``) at positions ``start .. start+T-1`` along ``seq_dim``, ``start`` a multiple of ``G``."""
+    ``G``) at positions ``start .. start+T-1`` along ``seq_dim``, ``start`` (an int, or ``[B]`` per row) a multiple of
+    ``G``."""
     t = new.shape[seq_dim]
-    if t % group or start % group:
+    if t % group or (isinstance(start, int) and start % group):
         raise LayoutError(f"a chunk of {t} tokens at position {start} does not split over a group of {group} ranks: "
                           f"both must be multiples of {group}")
-    slots = (start // group + torch.arange(t // group)).view(1, -1).expand(new.shape[0], -1)
+    start = torch.as_tensor(start, device=new.device).view(-1, 1)
+    slots = (start // group + torch.arange(t // group, device=new.device).view(1, -1)).expand(new.shape[0], -1)
     return write_positions(shard_, residue(new, rank, group, seq_dim).to(shard_.dtype), slots, seq_dim)
 
 

@@ -30,14 +30,15 @@ def _inputs(seed: int, start: int, pos: list[int], rank: int):
 
 
 def _rank_step(kc, vc, ikc, q, k, v, iq, ik, qt, kt, vt, iqt, ikt, other_s, other_i, start, pos, rank):
-    """A rank's prefill chunk at ``start`` (its prior shard plus its residue of the chunk, ``ops.sharded_step``), the
+    """A rank's prefill chunk at ``start`` (its prior shard plus its residue of the chunk, ``ops.step``), the
     chunk then written, and a decode step at ``pos`` (the other ranks' candidates and statistics are stand-ins: the
     collectives are not part of the graph)."""
     scale = D ** -0.5
     starts = start.expand(B)
     q_pos = (start + torch.arange(T, device=q.device)).expand(B, T)
     act = ops.call_active(k, v, ik, starts, rank, G)
-    cand = ops.local_candidates(ops.step.block_scores(iq, ikc, act, q_pos, starts, BS, rank, G), q_pos, BS, TOPK, 1, 1)
+    partial = ops.step.block_scores(iq, ikc, act, q_pos, starts, BS, rank, G, S // BS)
+    cand = ops.local_candidates(partial, q_pos, BS, TOPK, 1, 1)
     blocks = ops.merge_candidates(torch.cat([cand[0][None], other_s[1:]]), torch.cat([cand[1][None], other_i[1:]]),
                                  S // BS, TOPK)
     o, m, s = ops.step.partial_attention(q, kc, vc, act, q_pos, starts, rank, G, scale, blocks, BS)
@@ -46,7 +47,8 @@ def _rank_step(kc, vc, ikc, q, k, v, iq, ik, qt, kt, vt, iqt, ikt, other_s, othe
         sh.write_call(cache, new, start, rank, G, seq_dim=dim)
     p1 = pos.view(B, 1)
     act_t = ops.token_active(kt, vt, ikt, pos, rank, G)
-    cand_t = ops.local_candidates(ops.step.block_scores(iqt, ikc, act_t, p1, pos, BS, rank, G), p1, BS, TOPK, 1, 1)
+    partial_t = ops.step.block_scores(iqt, ikc, act_t, p1, pos, BS, rank, G, S // BS)
+    cand_t = ops.local_candidates(partial_t, p1, BS, TOPK, 1, 1)
     blocks_t = ops.merge_candidates(cand_t[0][None], cand_t[1][None], S // BS, TOPK)
     sparse = ops.step.partial_attention(qt, kc, vc, act_t, p1, pos, rank, G, scale, blocks_t, BS)
     dense = ops.step.partial_attention(qt, kc, vc, act_t, p1, pos, rank, G, scale)
