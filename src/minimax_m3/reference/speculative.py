@@ -13,8 +13,8 @@ read is causal (attention keeps keys ``<=`` the query, the indexer scores ``-inf
 slot a later query reads was rewritten first (tested: a poisoned cache past the position changes nothing).
 
 Rows are verified one at a time (batch-1 forwards on a view of the row's cache): rows sit at different positions
-and the reference's forward takes one ``kv_len`` per call. A batched verify needs per-row starts there (the Neuron port's
-fused speculation will).
+and the reference's forward takes one ``kv_len`` per call. A batched verify needs per-row starts there (the Neuron
+port's fused speculation has them).
 """
 
 from __future__ import annotations
