@@ -1,6 +1,6 @@
 """The NxDI port reads like NxDI's own models (issue 22 item 3): its model files override NxDI's hooks only, as the
 in-tree ``qwen3_moe`` and ``gpt_oss`` ports do, and every version-pinned adaptation of NxD/NxDI lives in
-``neuron/nxd_compat.py`` (vllm-neuron's in ``neuron/vllm/defaults.py``), each naming the version it targets.
+the ``neuron/nxd_compat/`` package (vllm-neuron's in ``neuron/vllm/defaults.py``), each naming the version it targets.
 
 Read from the source with ``ast`` (nothing is imported: runs without the Neuron SDK). In the model files:
 
@@ -79,7 +79,7 @@ def violations(source: str, where: str = "<source>") -> list[str]:
 
     def private_use(node, name, how):
         if _private(name) and name not in allowed:
-            bad(node, f"private attribute {name!r} ({how}): an NxD/NxDI internal belongs in nxd_compat.py; "
+            bad(node, f"private attribute {name!r} ({how}): an NxD/NxDI internal belongs in nxd_compat/; "
                       "a name of the port's own, in OWN; an upstream hook, in HOOKS with its reason")
 
     tree = ast.parse(source)
@@ -89,30 +89,30 @@ def violations(source: str, where: str = "<source>") -> list[str]:
             for t in targets:
                 for leaf in ast.walk(t):
                     if isinstance(leaf, ast.Attribute) and leaf.attr == "__class__":
-                        bad(node, "__class__ assignment (an instance's class swapped: nxd_compat.py)")
+                        bad(node, "__class__ assignment (an instance's class swapped: nxd_compat/)")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in REFLECT \
                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
                 and isinstance(node.args[1].value, str):
             name = node.args[1].value
             if name == "__class__" and node.func.id == "setattr":
-                bad(node, "__class__ assignment through setattr (nxd_compat.py)")
+                bad(node, "__class__ assignment through setattr (nxd_compat/)")
             private_use(node, name, f"{node.func.id}")
         elif isinstance(node, ast.Attribute):
             if node.attr in ENV and isinstance(node.value, ast.Name) and node.value.id == "os":
-                bad(node, f"os.{node.attr}: environment variables are read or set in nxd_compat.py")
+                bad(node, f"os.{node.attr}: environment variables are read or set in nxd_compat/")
             else:
                 private_use(node, node.attr, "attribute")
         elif isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 if node.module == "os" and alias.name in ENV:
-                    bad(node, f"from os import {alias.name}: environment variables belong in nxd_compat.py")
+                    bad(node, f"from os import {alias.name}: environment variables belong in nxd_compat/")
                 elif node.level == 0 and _private(alias.name):
                     private_use(node, alias.name, f"imported from {node.module}")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.args.vararg is not None:
             star = node.args.vararg.arg
             for sub in ast.walk(node):
                 if isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Name) and sub.value.id == star:
-                    bad(sub, f"positional index into *{star} (NxDI's argument order): a keyword, or nxd_compat.py")
+                    bad(sub, f"positional index into *{star} (NxDI's argument order): a keyword, or nxd_compat/")
         if isinstance(node, ast.ClassDef):
             for stmt in node.body:
                 if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -173,8 +173,10 @@ def _top_level_docs(path: Path) -> dict[str, str]:
 
 
 def test_each_adaptation_names_its_version_and_upstream_file():
-    """Every public function and class of nxd_compat.py says which SDK it targets and which upstream file."""
-    docs = _top_level_docs(NEURON / "nxd_compat.py")
+    """Every public function and class of the nxd_compat package says which SDK it targets and which upstream file."""
+    docs = {}
+    for path in sorted((NEURON / "nxd_compat").glob("*.py")):
+        docs.update(_top_level_docs(path))
     assert len(docs) >= 10, sorted(docs)  # to_cpu, the MoE pair, sampling, the dry run, sharding...
     for name, doc in docs.items():
         assert re.search(r"Targets (NxDI 0\.9|NxD 0\.18)", doc), f"{name}: no 'Targets NxDI 0.9 / NxD 0.18'"
