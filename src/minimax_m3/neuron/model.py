@@ -14,7 +14,7 @@ from ..checkpoint import CheckpointError, convert, fp8_experts
 from ..checkpoint.nxdi_rules import fp32_targets
 from . import nxd_compat
 from .attention import NeuronMiniMaxM3Attention
-from .chunk_loop import FORWARD_ARGS, prefill_in_chunks
+from .chunk_loop import prefill_in_chunks
 from .config import MiniMaxM3InferenceConfig
 from .kv_cache import M3KVCacheManager
 from .layers import GemmaNorm, SwiGLUOAIMLP
@@ -258,7 +258,7 @@ class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCau
         """NxDI's forward, in calls of at most ``prefill_chunk`` tokens when a prefill is wider
         (``chunk_loop.prefill_in_chunks``: the one chunk loop, for the engine's provider and vllm-neuron, which hands
         the model whole prompts), with the LM head's vocabulary padding (a multiple of TP, masked) sliced off."""
-        kwargs.update(zip(FORWARD_ARGS, args))
+        kwargs.update(nxd_compat.forward_kwargs(args))
         pos = kwargs.get("position_ids")
         if kwargs.get("attention_mask") is None and pos is not None and self._is_prefill(pos):
             kwargs["attention_mask"] = nxd_compat.infer_attention_mask(self, pos)  # vllm-neuron's prefills: no mask

@@ -1,18 +1,22 @@
 """NxD / NxDI adaptations that run in the model and the application: while NxDI builds the model (the MoE's router
 and expert MLPs), inside its forward (the KV group's collectives, the expert dispatch, the context-encoding test, the
 on-device sampling hook and the sampler's candidate search) and in the application's ``forward`` around each call
-(the attention mask NxDI infers, a speculation build's outputs).
+(its positional arguments by name, the attention mask NxDI infers, a speculation build's outputs).
 
 Targets Neuron SDK 2.29: NxDI 0.9 (4bcdc54) and NxD 0.18 ("Release 2.29"); each function and class names the version
 and the upstream file and function whose behaviour it works around. :class:`SpeculationOutputs` also holds the copy of
 a CPU-mode call's caches back into the submodels (``_copy_past_key_values``): NxDI calls it as a method of the
-application. Imports NxD at module level (:class:`M3ExpertMLPs` subclasses NxD's ``ExpertMLPsV2``).
+application. Imports NxD and NxDI at module level (:class:`M3ExpertMLPs` subclasses NxD's ``ExpertMLPsV2``;
+:func:`forward_kwargs` reads the signature of NxDI's ``NeuronBaseForCausalLM.forward``).
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
+from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
 from torch import nn
 
 
@@ -165,6 +169,18 @@ def sampler_global_top_k(sampler, logits: torch.Tensor, dim: int, rank_id):
 
 
 # ---- the application -------------------------------------------------------------------------------------------
+
+
+# NxDI's forward arguments in order (positional calls are bound to their names before the chunk loop slices them)
+_FORWARD_ARGS = tuple(inspect.signature(NeuronBaseForCausalLM.forward).parameters)[1:]
+
+
+def forward_kwargs(args: tuple) -> dict:
+    """The application ``forward``'s positional ``args`` by their names (the chunk loop slices its inputs by name).
+
+    Targets NxDI 0.9 (``models/model_base.py``: ``NeuronBaseForCausalLM.forward``, whose parameter order is read
+    from its signature once, at import: ``input_ids, seq_ids, attention_mask, position_ids, past_key_values, ...``)."""
+    return dict(zip(_FORWARD_ARGS, args))
 
 
 def infer_attention_mask(app, position_ids: torch.Tensor) -> torch.Tensor:
