@@ -90,7 +90,7 @@ def prefill_in_calls(nc) -> bool:
     return bool(nc.prefill_chunk) and nc.prefill_chunk < nc.max_context_length
 
 
-def fused_problems(nc) -> list[str]:
+def fused_neuron_config_problems(nc) -> list[str]:
     """What NxDI's fused EAGLE3 speculation (``neuron.eagle``) needs of the target's neuron config."""
     out = []
     if nc.kv_cache_tiling:
@@ -152,10 +152,11 @@ def kv_group(cfg) -> int:
     return sharding.kv_group_size(M3Config.from_fields(cfg.m3), cfg.neuron_config.tp_degree)
 
 
-def layout_problems(cfg) -> list[str]:
-    """What the sharded caches need of the lengths: G divides the index block (every rank holds block/G keys of
-    every block), every context bucket is a multiple of G (each rank writes its residue of a prefill call) and the
-    cache length and decode buckets whole multiples of lcm(block, G)."""
+def kv_layout_problems(cfg) -> list[str]:
+    """What the KV-cache layout (``kv_layout``) needs of the config: one of :data:`KV_LAYOUTS`; with the sharded
+    layout and G > 1, G divides the index block (every rank holds block/G keys of every block), every context bucket
+    is a multiple of G (each rank writes its residue of a prefill call) and the cache length (``seq_len``) a whole
+    multiple of lcm(block, G)."""
     nc, c = cfg.neuron_config, M3Config.from_fields(cfg.m3)
     if cfg.kv_layout not in KV_LAYOUTS:
         return [f"kv_layout {cfg.kv_layout!r}: choose one of {list(KV_LAYOUTS)}"]
@@ -273,7 +274,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         if nc.cp_degree > 1 or nc.attention_dp_degree > 1:
             problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
         if nc.enable_fused_speculation:
-            problems += fused_problems(nc)
+            problems += fused_neuron_config_problems(nc)
         if nc.speculation_length and nc.async_mode:
             problems.append("speculation_length (a draft) with async mode: not yet; the host accepts each verify "
                             "step's drafts before the next")
@@ -283,7 +284,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         tp = nc.tp_degree
         problems += sharding.model_problems(c, tp, nc.moe_ep_degree)
         if not problems:
-            problems += layout_problems(self)
+            problems += kv_layout_problems(self)
         # the buckets NxDI will build (its own when none are given; one of each length without bucketing)
         tkg = [b[-1] if isinstance(b, list) else b for b in generate_buckets_for_tkg(self)]
         cte = nc.context_encoding_buckets if nc.enable_bucketing else [nc.max_context_length]

@@ -63,7 +63,7 @@ def nxdi_key(canonical: str) -> str:
     return "layers.0." + key[len("layer."):] if key.startswith("layer.") else key
 
 
-def fused_problems(dc: DraftConfig, target: M3Config) -> list[str]:
+def draft_fit_problems(dc: DraftConfig, target: M3Config) -> list[str]:
     """What NxDI's EAGLE3 draft cannot run of ``dc`` (its fixed layout: one layer, the residual before
     ``hidden_norm``, the target's hidden size)."""
     out = []
@@ -166,7 +166,7 @@ class M3Eagle3DraftForCausalLM(NeuronLlamaForCausalLM):
     def get_state_dict(cls, model_name_or_path: str, config) -> dict:
         target = M3Config.from_fields(config.m3)
         dc, tensors = open_draft(model_name_or_path, target)
-        problems = fused_problems(dc, target)  # also where vllm-neuron, not the port, built the fused config
+        problems = draft_fit_problems(dc, target)  # also where vllm-neuron, not the port, built the fused config
         if problems:
             raise DraftError(problems, f"EAGLE3 draft {model_name_or_path} (fused speculation)")
         tensors.update(target_shared(dc, tensors, config.target_path, target))
@@ -278,7 +278,7 @@ def aux_layers(config) -> tuple[int, ...]:
 def fused_spec_config(dc: DraftConfig, target: M3Config, target_cfg, target_path: str, draft_path: str, worker_cls):
     """NxDI's ``FusedSpecNeuronConfig`` for the draft at ``draft_path`` over the target checkpoint at
     ``target_path`` (one :class:`DraftError` when NxDI's draft cannot run it)."""
-    problems = fused_problems(dc, target)
+    problems = draft_fit_problems(dc, target)
     if problems:
         raise DraftError(problems, f"EAGLE3 draft {draft_path} (fused speculation)")
     return FusedSpecNeuronConfig(worker_cls, draft_config=draft_inference_config(dc, target_cfg, target_path),
