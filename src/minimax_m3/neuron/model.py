@@ -91,7 +91,7 @@ class NeuronMiniMaxM3Model(nxd_compat.OnDeviceSamplingHook, NeuronBaseModel):
         # the call, concatenated in ascending order as one more output after the caches (``aux_states``)
         self.aux_layers = tuple(sorted(getattr(config, "aux_hidden_layers", None) or ()))
         if config.neuron_config.is_eagle3 and getattr(config, "fused_spec_config", None) is not None:
-            from .eagle import aux_layers  # a fused build vllm-neuron configured: the draft's config.json ids
+            from .config import aux_layers  # a fused build vllm-neuron configured: the draft's config.json ids
 
             self.aux_layers = tuple(sorted(aux_layers(config)))
         self._aux = {}
