@@ -31,7 +31,7 @@ MAX_PREFILL_CHUNK = 8192  # the default prefill chunk's cap (tokens per call): w
 
 def heads_per_rank(heads: int, tp: int) -> int:
     """Heads a rank holds: a slice of ``heads / tp``, or one replicated head when there are fewer heads than
-    ranks; 0 when neither divides the other (see :func:`layout_problems`)."""
+    ranks; 0 when neither divides the other (see :func:`parallel_layout_problems`)."""
     if heads >= tp:
         return 0 if heads % tp else heads // tp
     return 0 if tp % heads else 1
@@ -141,6 +141,6 @@ def vocab_problems(c: M3Config, tp: int) -> list[str]:
     return [f"tp {tp} does not divide the vocabulary {c.vocab_size}"] if c.vocab_size % tp else []
 
 
-def layout_problems(c: M3Config, tp: int, ep: int, even_vocab: bool = False) -> list[str]:
+def parallel_layout_problems(c: M3Config, tp: int, ep: int, even_vocab: bool = False) -> list[str]:
     """:func:`degree_problems` and :func:`model_problems` together."""
     return degree_problems(tp, ep) + model_problems(c, tp, ep, even_vocab)

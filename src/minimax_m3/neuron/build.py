@@ -1,19 +1,27 @@
 """The one translation from a resolved :class:`~minimax_m3.engine.spec.EngineSpec` to NxDI's configs, and the NxDI
 application of a config: used by load, compile, the dry run and ``compile --for-vllm``. No defaults of its own: the
 spec's :meth:`~minimax_m3.engine.spec.EngineSpec.resolve` fills every one.
+
+A fused-speculation build's ``FusedSpecNeuronConfig`` is built here too (the port's, :func:`fused_spec_config`, and
+the one vllm-neuron attaches, :func:`vllm_fused_spec_config`): it names the draft's application class
+(``eagle.M3Eagle3DraftForCausalLM``, imported by these functions only), so it cannot live in ``config.py``, which
+``eagle.py`` imports. The draft's own config class and neuron config are in ``config.py``.
 """
 
 from __future__ import annotations
 
 import torch
+from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig
 
 from ..checkpoint import fp8_experts
-from ..checkpoint.draft import draft_config
+from ..checkpoint.draft import DraftError, draft_config
 from ..config import sharding
+from ..config.draft import DraftConfig
 from ..config.m3 import M3Config
 from ..engine.spec import EngineSpec
 from . import sampling
-from .config import MiniMaxM3InferenceConfig, MiniMaxM3NeuronConfig, config_hook
+from .config import (M3Eagle3DraftConfig, MiniMaxM3InferenceConfig, MiniMaxM3NeuronConfig, config_hook,
+                     draft_fit_problems, draft_inference_config)
 from .model import AllPositionsForCausalLM, NeuronMiniMaxM3ForCausalLM, NeuronMiniMaxM3Model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,10 +71,7 @@ def inference_config(spec: EngineSpec, config: M3Config, **extra) -> MiniMaxM3In
     out = MiniMaxM3InferenceConfig(neuron_config(spec, **extra), load_config=config_hook(config, spec.model),
                                    aux_hidden_layers=aux)
     if spec.fused_speculation:
-        from . import eagle
-
-        out.fused_spec_config = eagle.fused_spec_config(dc, config, out, spec.model, spec.draft,
-                                                       NeuronMiniMaxM3Model)
+        out.fused_spec_config = fused_spec_config(dc, config, out, spec.model, spec.draft, NeuronMiniMaxM3Model)
     return out
 
 
@@ -74,3 +79,33 @@ def application(model: str, config: MiniMaxM3InferenceConfig) -> NeuronMiniMaxM3
     """The NxDI application for ``config``: all-position prefill logits when ``prefill_all_logits`` is set."""
     cls = AllPositionsForCausalLM if config.neuron_config.prefill_all_logits else NeuronMiniMaxM3ForCausalLM
     return cls(model, config)
+
+
+def fused_spec_config(dc: DraftConfig, target: M3Config, target_cfg, target_path: str, draft_path: str, worker_cls):
+    """NxDI's ``FusedSpecNeuronConfig`` for the draft at ``draft_path`` over the target checkpoint at
+    ``target_path`` (one :class:`DraftError` when NxDI's draft cannot run it)."""
+    from .eagle import M3Eagle3DraftForCausalLM  # NxDI's Llama EAGLE3 modules: imported for a fused build only
+
+    problems = draft_fit_problems(dc, target)
+    if problems:
+        raise DraftError(problems, f"EAGLE3 draft {draft_path} (fused speculation)")
+    return FusedSpecNeuronConfig(worker_cls, draft_config=draft_inference_config(dc, target_cfg, target_path),
+                                 draft_model_path=str(draft_path), draft_model_cls=M3Eagle3DraftForCausalLM)
+
+
+def vllm_fused_spec_config(target_cfg, draft_path: str, worker_cls):
+    """The ``FusedSpecNeuronConfig`` vllm-neuron 0.4.1 attaches for an EAGLE3 draft (its private
+    ``_init_fused_spec_config``: a copy of the target's neuron config, the draft class resolved from
+    ``LlamaForCausalLMEagle3``, NxDI's ``load_pretrained_config`` of the draft's config.json), for ``compile
+    --for-vllm``."""
+    import copy
+
+    from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
+
+    from .eagle import M3Eagle3DraftForCausalLM
+
+    nc = copy.deepcopy(target_cfg.neuron_config)
+    nc.enable_fused_speculation, nc.is_eagle_draft = False, True
+    draft = M3Eagle3DraftConfig(nc, load_config=load_pretrained_config(str(draft_path)))
+    return FusedSpecNeuronConfig(worker_cls, draft_config=draft, draft_model_path=str(draft_path),
+                                 draft_model_cls=M3Eagle3DraftForCausalLM)

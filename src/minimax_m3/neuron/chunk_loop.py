@@ -5,14 +5,7 @@ application's ``forward``: ``model.NeuronMiniMaxM3ForCausalLM.forward``)."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
-from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
-
-
-# NxDI's forward arguments in order (positional calls are bound to their names before the chunk loop slices them)
-FORWARD_ARGS = tuple(inspect.signature(NeuronBaseForCausalLM.forward).parameters)[1:]
 
 
 def prefill_in_chunks(app, forward, kw: dict):

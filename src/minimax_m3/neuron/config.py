@@ -1,9 +1,16 @@
-"""NxDI configuration classes for MiniMax-M3 (imports NxDI: load only when the neuron backend is used).
+"""NxDI configuration classes for MiniMax-M3 and its EAGLE3 draft, and their checks (imports NxDI: load only when the
+neuron backend is used).
 
 ``MiniMaxM3InferenceConfig`` keeps the parsed model description as a plain dict ``m3`` (the fields of
 :class:`minimax_m3.config.M3Config`) and derives every NxDI attribute from it in ``add_derived_config``, by
 assignment only, so NxDI's reload from ``neuron_config.json`` (which calls the constructor again with the
 already-derived values) gives the same config.
+
+The fused EAGLE3 draft's (``neuron.eagle``): its config class :class:`M3Eagle3DraftConfig` (NxDI's Llama config),
+its neuron config from the target's (:func:`draft_neuron_config`), its config from a parsed draft config
+(:func:`draft_inference_config`), what NxDI's draft cannot run of a draft (:func:`draft_fit_problems`) and the target
+layers it reads (:func:`aux_layers`). The ``FusedSpecNeuronConfig`` that names the draft's application class is
+``build.fused_spec_config``'s.
 """
 
 from __future__ import annotations
@@ -12,13 +19,16 @@ import logging
 from pathlib import Path
 
 import torch
-from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig
+from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig, NeuronConfig
+from neuronx_distributed_inference.models.llama.modeling_llama import LlamaInferenceConfig
 from neuronx_distributed_inference.modules.autobucketing import generate_buckets_for_tkg
 
 from ..config import sharding
+from ..config.draft import DraftConfig, default_aux_layers, parse_draft_config
 from ..config.m3 import M3Config
 from ..engine.buckets import bucket_problems, chunk_problems, context_buckets
 from ..errors import ServingError
+from .sampling import on_device_sampling_config
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +99,7 @@ def prefill_in_calls(nc) -> bool:
     return bool(nc.prefill_chunk) and nc.prefill_chunk < nc.max_context_length
 
 
-def fused_problems(nc) -> list[str]:
+def fused_neuron_config_problems(nc) -> list[str]:
     """What NxDI's fused EAGLE3 speculation (``neuron.eagle``) needs of the target's neuron config."""
     out = []
     if nc.kv_cache_tiling:
@@ -153,10 +163,11 @@ def kv_group_size(cfg) -> int:
     return sharding.kv_group_size(M3Config.from_fields(cfg.m3), cfg.neuron_config.tp_degree)
 
 
-def layout_problems(cfg) -> list[str]:
-    """What the sharded caches need of the lengths: G divides the index block (every rank holds block/G keys of
-    every block), every context bucket is a multiple of G (each rank writes its residue of a prefill call) and the
-    cache length and decode buckets whole multiples of lcm(block, G)."""
+def kv_layout_problems(cfg) -> list[str]:
+    """What the KV-cache layout (``kv_layout``) needs of the config: one of :data:`KV_LAYOUTS`; with the sharded
+    layout and G > 1, G divides the index block (every rank holds block/G keys of every block), every context bucket
+    is a multiple of G (each rank writes its residue of a prefill call) and the cache length (``seq_len``) a whole
+    multiple of lcm(block, G)."""
     nc, c = cfg.neuron_config, M3Config.from_fields(cfg.m3)
     if cfg.kv_layout not in KV_LAYOUTS:
         return [f"kv_layout {cfg.kv_layout!r}: choose one of {list(KV_LAYOUTS)}"]
@@ -272,7 +283,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         if nc.cp_degree > 1 or nc.attention_dp_degree > 1:
             problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
         if nc.enable_fused_speculation:
-            problems += fused_problems(nc)
+            problems += fused_neuron_config_problems(nc)
         if nc.speculation_length and nc.async_mode:
             problems.append("speculation_length (a draft) with async mode: not yet; the host accepts each verify "
                             "step's drafts before the next")
@@ -282,7 +293,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         tp = nc.tp_degree
         problems += sharding.model_problems(c, tp, nc.moe_ep_degree)
         if not problems:
-            problems += layout_problems(self)
+            problems += kv_layout_problems(self)
         # the buckets NxDI will build (its own when none are given; one of each length without bucketing)
         tkg = [b[-1] if isinstance(b, list) else b for b in generate_buckets_for_tkg(self)]
         cte = nc.context_encoding_buckets if nc.enable_bucketing else [nc.max_context_length]
@@ -303,3 +314,89 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
     @classmethod
     def get_neuron_config_cls(cls):
         return MiniMaxM3NeuronConfig
+
+
+# ---- the EAGLE3 draft's configs (fused speculation: neuron.eagle) ------------------------------------------------
+
+
+def draft_fit_problems(dc: DraftConfig, target: M3Config) -> list[str]:
+    """What NxDI's EAGLE3 draft cannot run of ``dc`` (its fixed layout: one layer, the residual before
+    ``hidden_norm``, the target's hidden size)."""
+    out = []
+    if dc.num_layers != 1:
+        out.append(f"a {dc.num_layers}-layer draft: NxDI's EAGLE3 draft has one decoder layer")
+    if dc.norm_before_residual:
+        out.append("norm_before_residual: NxDI's EAGLE3 draft adds the residual before hidden_norm; use the "
+                   "reference backend or the host drafter (drop --fused-speculation)")
+    if dc.hidden_size != target.hidden_size:
+        out.append(f"draft hidden_size {dc.hidden_size} != the target's {target.hidden_size}: NxDI's EAGLE3 draft "
+                   "feeds the target's states through an fc of its own width")
+    return out
+
+
+def draft_neuron_config(nc) -> NeuronConfig:
+    """NxDI's neuron config of the draft inside a fused build whose target has neuron config ``nc`` (the port's own,
+    or vllm-neuron's copy of it): the target's batch, lengths, buckets, dtype, TP and speculation length; greedy
+    draft sampling (NxDI forces it); NxDI's EAGLE3 draft layer with its input norms; no KV tiling."""
+    kw = dict(tp_degree=nc.tp_degree, batch_size=nc.batch_size, ctx_batch_size=nc.ctx_batch_size,
+              tkg_batch_size=nc.tkg_batch_size, max_batch_size=nc.max_batch_size,
+              is_continuous_batching=nc.is_continuous_batching, seq_len=nc.seq_len,
+              max_context_length=nc.max_context_length, torch_dtype=nc.torch_dtype, padding_side="right",
+              on_cpu=nc.on_cpu, enable_bucketing=nc.enable_bucketing,
+              context_encoding_buckets=nc.context_encoding_buckets,
+              token_generation_buckets=nc.token_generation_buckets, enable_eagle_speculation=True,
+              is_eagle_draft=True, is_eagle3=True, enable_eagle_draft_input_norm=True,
+              speculation_length=nc.speculation_length, disable_kv_cache_tiling=True,
+              logical_nc_config=nc.logical_nc_config,
+              on_device_sampling_config=on_device_sampling_config(do_sample=False))
+    if nc.on_cpu:
+        kw.update(attn_kernel_enabled=False, qkv_kernel_enabled=False, mlp_kernel_enabled=False)
+    return NeuronConfig(**kw)
+
+
+class M3Eagle3DraftConfig(LlamaInferenceConfig):
+    """NxDI's Llama config of the draft; a neuron config that is not a plain ``NeuronConfig`` (vllm-neuron's copy
+    of the target's, MoE fields and all) becomes :func:`draft_neuron_config`'s. ``draft_vocab_size`` defaults to the
+    vocabulary; ``m3`` / ``target_path`` (the target's parsed config and checkpoint, for the shared tensors) are set
+    by the port (``draft_inference_config``, or the target's loader under vLLM)."""
+
+    def __init__(self, neuron_config, *args, **kwargs):
+        if type(neuron_config) is not NeuronConfig:
+            neuron_config = draft_neuron_config(neuron_config)
+        super().__init__(neuron_config, *args, **kwargs)
+
+    def add_derived_config(self):
+        super().add_derived_config()
+        self.draft_vocab_size = getattr(self, "draft_vocab_size", None) or self.vocab_size
+
+
+def draft_inference_config(dc: DraftConfig, target_cfg, target_path: str):
+    """The draft's config inside a fused build of ``target_cfg`` (the target's inference config, its checkpoint at
+    ``target_path``, whose embedding and lm_head a draft may share)."""
+    nc = target_cfg.neuron_config
+
+    def load(cfg) -> None:
+        fields = dict(hidden_size=dc.hidden_size, num_attention_heads=dc.num_heads,
+                      num_key_value_heads=dc.num_kv_heads, head_dim=dc.head_dim, num_hidden_layers=dc.num_layers,
+                      intermediate_size=dc.intermediate_size, vocab_size=dc.vocab_size,
+                      draft_vocab_size=dc.draft_vocab_size, rms_norm_eps=dc.rms_norm_eps, rope_theta=dc.rope_theta,
+                      rope_scaling=dc.rope_scaling, hidden_act=dc.hidden_act, pad_token_id=target_cfg.pad_token_id,
+                      max_position_embeddings=max(nc.seq_len, 1), tie_word_embeddings=False, fc_bias=False,
+                      m3=target_cfg.m3, target_path=str(target_path))
+        for k, v in fields.items():
+            setattr(cfg, k, v)
+
+    return M3Eagle3DraftConfig(draft_neuron_config(nc), load_config=load)
+
+
+def aux_layers(config) -> tuple[int, ...]:
+    """The target layers a fused build's draft reads (vLLM's ids): the inference config's ``aux_hidden_layers`` (the
+    port's builds), else the draft config's ``eagle_aux_hidden_state_layer_ids`` as vLLM reads them (vllm-neuron
+    builds the draft config from its config.json), else vLLM's default."""
+    if getattr(config, "aux_hidden_layers", None):
+        return tuple(config.aux_hidden_layers)
+    draft = config.fused_spec_config.draft_config
+    raw = {k: v for k, v in vars(draft).items() if not k.startswith("_") and k != "neuron_config"}
+    dc, _ = parse_draft_config(raw)
+    return dc.aux_layers(config.num_hidden_layers) if dc is not None else \
+        default_aux_layers(config.num_hidden_layers)

@@ -37,19 +37,16 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.draft import DraftError, open_draft, target_shared
-from ..config.draft import DraftConfig, default_aux_layers, parse_draft_config
+from ..config.draft import DraftConfig
 from ..config.m3 import M3Config
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear
-from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig, NeuronConfig
-from neuronx_distributed_inference.models.llama.modeling_llama import (LlamaInferenceConfig, NeuronLlamaForCausalLM,
-                                                                       NeuronLlamaModel)
+from neuronx_distributed_inference.models.llama.modeling_llama import NeuronLlamaForCausalLM, NeuronLlamaModel
 from neuronx_distributed_inference.models.model_base import NeuronFusedSpecModel
 from neuronx_distributed_inference.utils.distributed import get_tp_group
 
 from . import nxd_compat
-from .config import prefill_in_calls
+from .config import M3Eagle3DraftConfig, draft_fit_problems, prefill_in_calls
 from .kv_cache import DraftKVCacheManager
-from .sampling import on_device_sampling_config
 
 # canonical draft key (checkpoint.draft) -> NxDI's Llama EAGLE3 draft key, where they differ: the names NxDI's GQA
 # modules register (as the target's rule table, checkpoint.nxdi_rules), then the layer prefix
@@ -61,21 +58,6 @@ _KEYS = {**{f"layer.self_attn.{n}.weight": f"layer.self_attn.qkv_proj.{n}.weight
 def nxdi_key(canonical: str) -> str:
     key = _KEYS.get(canonical, canonical)
     return "layers.0." + key[len("layer."):] if key.startswith("layer.") else key
-
-
-def fused_problems(dc: DraftConfig, target: M3Config) -> list[str]:
-    """What NxDI's EAGLE3 draft cannot run of ``dc`` (its fixed layout: one layer, the residual before
-    ``hidden_norm``, the target's hidden size)."""
-    out = []
-    if dc.num_layers != 1:
-        out.append(f"a {dc.num_layers}-layer draft: NxDI's EAGLE3 draft has one decoder layer")
-    if dc.norm_before_residual:
-        out.append("norm_before_residual: NxDI's EAGLE3 draft adds the residual before hidden_norm; use the "
-                   "reference backend or the host drafter (drop --fused-speculation)")
-    if dc.hidden_size != target.hidden_size:
-        out.append(f"draft hidden_size {dc.hidden_size} != the target's {target.hidden_size}: NxDI's EAGLE3 draft "
-                   "feeds the target's states through an fc of its own width")
-    return out
 
 
 class M3Eagle3DraftModel(nxd_compat.OnDeviceSamplingHook, NeuronLlamaModel):
@@ -166,7 +148,7 @@ class M3Eagle3DraftForCausalLM(NeuronLlamaForCausalLM):
     def get_state_dict(cls, model_name_or_path: str, config) -> dict:
         target = M3Config.from_fields(config.m3)
         dc, tensors = open_draft(model_name_or_path, target)
-        problems = fused_problems(dc, target)  # also where vllm-neuron, not the port, built the fused config
+        problems = draft_fit_problems(dc, target)  # also where vllm-neuron, not the port, built the fused config
         if problems:
             raise DraftError(problems, f"EAGLE3 draft {model_name_or_path} (fused speculation)")
         tensors.update(target_shared(dc, tensors, config.target_path, target))
@@ -189,97 +171,3 @@ def draft_state_dict(dc: DraftConfig, tensors: dict[str, torch.Tensor], dtype: t
     else:
         sd["lm_head.weight"] = head.to(dtype)
     return sd
-
-
-def draft_neuron_config(nc) -> NeuronConfig:
-    """NxDI's neuron config of the draft inside a fused build whose target has neuron config ``nc`` (the port's own,
-    or vllm-neuron's copy of it): the target's batch, lengths, buckets, dtype, TP and speculation length; greedy
-    draft sampling (NxDI forces it); NxDI's EAGLE3 draft layer with its input norms; no KV tiling."""
-    kw = dict(tp_degree=nc.tp_degree, batch_size=nc.batch_size, ctx_batch_size=nc.ctx_batch_size,
-              tkg_batch_size=nc.tkg_batch_size, max_batch_size=nc.max_batch_size,
-              is_continuous_batching=nc.is_continuous_batching, seq_len=nc.seq_len,
-              max_context_length=nc.max_context_length, torch_dtype=nc.torch_dtype, padding_side="right",
-              on_cpu=nc.on_cpu, enable_bucketing=nc.enable_bucketing,
-              context_encoding_buckets=nc.context_encoding_buckets,
-              token_generation_buckets=nc.token_generation_buckets, enable_eagle_speculation=True,
-              is_eagle_draft=True, is_eagle3=True, enable_eagle_draft_input_norm=True,
-              speculation_length=nc.speculation_length, disable_kv_cache_tiling=True,
-              logical_nc_config=nc.logical_nc_config,
-              on_device_sampling_config=on_device_sampling_config(do_sample=False))
-    if nc.on_cpu:
-        kw.update(attn_kernel_enabled=False, qkv_kernel_enabled=False, mlp_kernel_enabled=False)
-    return NeuronConfig(**kw)
-
-
-class M3Eagle3DraftConfig(LlamaInferenceConfig):
-    """NxDI's Llama config of the draft; a neuron config that is not a plain ``NeuronConfig`` (vllm-neuron's copy
-    of the target's, MoE fields and all) becomes :func:`draft_neuron_config`'s. ``draft_vocab_size`` defaults to the
-    vocabulary; ``m3`` / ``target_path`` (the target's parsed config and checkpoint, for the shared tensors) are set
-    by the port (``draft_inference_config``, or the target's loader under vLLM)."""
-
-    def __init__(self, neuron_config, *args, **kwargs):
-        if type(neuron_config) is not NeuronConfig:
-            neuron_config = draft_neuron_config(neuron_config)
-        super().__init__(neuron_config, *args, **kwargs)
-
-    def add_derived_config(self):
-        super().add_derived_config()
-        self.draft_vocab_size = getattr(self, "draft_vocab_size", None) or self.vocab_size
-
-
-def draft_inference_config(dc: DraftConfig, target_cfg, target_path: str):
-    """The draft's config inside a fused build of ``target_cfg`` (the target's inference config, its checkpoint at
-    ``target_path``, whose embedding and lm_head a draft may share)."""
-    nc = target_cfg.neuron_config
-
-    def load(cfg) -> None:
-        fields = dict(hidden_size=dc.hidden_size, num_attention_heads=dc.num_heads,
-                      num_key_value_heads=dc.num_kv_heads, head_dim=dc.head_dim, num_hidden_layers=dc.num_layers,
-                      intermediate_size=dc.intermediate_size, vocab_size=dc.vocab_size,
-                      draft_vocab_size=dc.draft_vocab_size, rms_norm_eps=dc.rms_norm_eps, rope_theta=dc.rope_theta,
-                      rope_scaling=dc.rope_scaling, hidden_act=dc.hidden_act, pad_token_id=target_cfg.pad_token_id,
-                      max_position_embeddings=max(nc.seq_len, 1), tie_word_embeddings=False, fc_bias=False,
-                      m3=target_cfg.m3, target_path=str(target_path))
-        for k, v in fields.items():
-            setattr(cfg, k, v)
-
-    return M3Eagle3DraftConfig(draft_neuron_config(nc), load_config=load)
-
-
-def vllm_fused_spec_config(target_cfg, draft_path: str, worker_cls):
-    """The ``FusedSpecNeuronConfig`` vllm-neuron 0.4.1 attaches for an EAGLE3 draft (its private
-    ``_init_fused_spec_config``: a copy of the target's neuron config, the draft class resolved from
-    ``LlamaForCausalLMEagle3``, NxDI's ``load_pretrained_config`` of the draft's config.json), for ``compile
-    --for-vllm``."""
-    import copy
-
-    from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
-
-    nc = copy.deepcopy(target_cfg.neuron_config)
-    nc.enable_fused_speculation, nc.is_eagle_draft = False, True
-    draft = M3Eagle3DraftConfig(nc, load_config=load_pretrained_config(str(draft_path)))
-    return FusedSpecNeuronConfig(worker_cls, draft_config=draft, draft_model_path=str(draft_path),
-                                 draft_model_cls=M3Eagle3DraftForCausalLM)
-
-
-def aux_layers(config) -> tuple[int, ...]:
-    """The target layers a fused build's draft reads (vLLM's ids): the inference config's ``aux_hidden_layers`` (the
-    port's builds), else the draft config's ``eagle_aux_hidden_state_layer_ids`` as vLLM reads them (vllm-neuron
-    builds the draft config from its config.json), else vLLM's default."""
-    if getattr(config, "aux_hidden_layers", None):
-        return tuple(config.aux_hidden_layers)
-    draft = config.fused_spec_config.draft_config
-    raw = {k: v for k, v in vars(draft).items() if not k.startswith("_") and k != "neuron_config"}
-    dc, _ = parse_draft_config(raw)
-    return dc.aux_layers(config.num_hidden_layers) if dc is not None else \
-        default_aux_layers(config.num_hidden_layers)
-
-
-def fused_spec_config(dc: DraftConfig, target: M3Config, target_cfg, target_path: str, draft_path: str, worker_cls):
-    """NxDI's ``FusedSpecNeuronConfig`` for the draft at ``draft_path`` over the target checkpoint at
-    ``target_path`` (one :class:`DraftError` when NxDI's draft cannot run it)."""
-    problems = fused_problems(dc, target)
-    if problems:
-        raise DraftError(problems, f"EAGLE3 draft {draft_path} (fused speculation)")
-    return FusedSpecNeuronConfig(worker_cls, draft_config=draft_inference_config(dc, target_cfg, target_path),
-                                 draft_model_path=str(draft_path), draft_model_cls=M3Eagle3DraftForCausalLM)

@@ -14,7 +14,7 @@ from ..checkpoint import CheckpointError, convert, fp8_experts
 from ..checkpoint.nxdi_rules import fp32_targets
 from . import nxd_compat
 from .attention import NeuronMiniMaxM3Attention
-from .chunk_loop import FORWARD_ARGS, prefill_in_chunks
+from .chunk_loop import prefill_in_chunks
 from .config import MiniMaxM3InferenceConfig
 from .kv_cache import M3KVCacheManager
 from .layers import GemmaNorm, SwiGLUOAIMLP
@@ -91,7 +91,7 @@ class NeuronMiniMaxM3Model(nxd_compat.OnDeviceSamplingHook, NeuronBaseModel):
         # the call, concatenated in ascending order as one more output after the caches (``aux_states``)
         self.aux_layers = tuple(sorted(getattr(config, "aux_hidden_layers", None) or ()))
         if config.neuron_config.is_eagle3 and getattr(config, "fused_spec_config", None) is not None:
-            from .eagle import aux_layers  # a fused build vllm-neuron configured: the draft's config.json ids
+            from .config import aux_layers  # a fused build vllm-neuron configured: the draft's config.json ids
 
             self.aux_layers = tuple(sorted(aux_layers(config)))
         self._aux = {}
@@ -258,7 +258,7 @@ class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCau
         """NxDI's forward, in calls of at most ``prefill_chunk`` tokens when a prefill is wider
         (``chunk_loop.prefill_in_chunks``: the one chunk loop, for the engine's provider and vllm-neuron, which hands
         the model whole prompts), with the LM head's vocabulary padding (a multiple of TP, masked) sliced off."""
-        kwargs.update(zip(FORWARD_ARGS, args))
+        kwargs.update(nxd_compat.forward_kwargs(args))
         pos = kwargs.get("position_ids")
         if kwargs.get("attention_mask") is None and pos is not None and self._is_prefill(pos):
             kwargs["attention_mask"] = nxd_compat.infer_attention_mask(self, pos)  # vllm-neuron's prefills: no mask

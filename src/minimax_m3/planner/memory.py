@@ -123,7 +123,7 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[
     expert TP-sharded; routers (fp32, every rank); routed experts ``num_experts / ep`` per rank, each sharded over
     ``moe_tp``. ``fp8``: routed experts in NxD's expert-wise per-channel e4m3 layout (1 byte per weight + an fp32
     scale per output channel of each local expert), everything else bf16."""
-    problems = sharding.layout_problems(c, tp, ep)
+    problems = sharding.parallel_layout_problems(c, tp, ep)
     if problems:
         raise PlanError(problems)
     moe_tp = sharding.moe_tp(tp, ep)

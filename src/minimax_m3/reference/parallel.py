@@ -99,7 +99,7 @@ class ShardPlan:
         """Raise one :class:`ShardPlanError` listing every degree that does not fit the model (``sharding``'s
         rules; the reference splits the vocabulary in equal slices)."""
         p = [] if 0 <= self.rank < self.world else [f"rank {self.rank} outside world size {self.world}"]
-        p += sharding.layout_problems(c, self.world, self.ep, even_vocab=True)
+        p += sharding.parallel_layout_problems(c, self.world, self.ep, even_vocab=True)
         if p:
             raise ShardPlanError(p)
 

@@ -50,18 +50,18 @@ def set_kv_layout(layout: str) -> None:
 
 def without_sampling_kernels() -> None:
     """Every on-device sampling config the build makes (``neuron.sampling.on_device_sampling_config``, also as the
-    draft's module imported it) gets ``top_k_kernel_enabled=False``, the fused draft's neuron config
+    draft's config module imported it) gets ``top_k_kernel_enabled=False``, the fused draft's neuron config
     ``disable_argmax_kernel=True`` (module docstring)."""
-    from minimax_m3.neuron import eagle, sampling
+    from minimax_m3.neuron import config, sampling
 
-    draft_of = eagle.draft_neuron_config
+    draft_of = config.draft_neuron_config
 
     def draft_neuron_config(nc):
         out = draft_of(nc)
         out.disable_argmax_kernel = True
         return out
 
-    eagle.draft_neuron_config = draft_neuron_config
+    config.draft_neuron_config = draft_neuron_config
 
     make = sampling.on_device_sampling_config
 
@@ -69,7 +69,7 @@ def without_sampling_kernels() -> None:
         kw.setdefault("top_k_kernel_enabled", False)
         return make(*args, **kw)
 
-    sampling.on_device_sampling_config = eagle.on_device_sampling_config = on_device_sampling_config
+    sampling.on_device_sampling_config = config.on_device_sampling_config = on_device_sampling_config
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def vllm_inference_config(spec: EngineSpec, override: dict):
     cls = MiniMaxM3InferenceConfig
     cfg = cls(cls.get_neuron_config_cls()(**kw), load_config=load_pretrained_config(spec.model))  # ServingError
     if spec.fused_speculation:  # as vllm-neuron's _init_fused_spec_config (no draft_overrides)
-        from ..eagle import vllm_fused_spec_config
+        from ..build import vllm_fused_spec_config
         from ..model import NeuronMiniMaxM3Model
 
         cfg.fused_spec_config = vllm_fused_spec_config(cfg, spec.draft, NeuronMiniMaxM3Model)

@@ -1,7 +1,7 @@
 """vllm-neuron 0.4.1's neuron config for a ``vllm serve`` command line, through its own functions or, where
 vllm-neuron is not importable (compile on a host without vLLM), the same rules written down.
 
-The one home of the port's adaptations of vllm-neuron 0.4.1 (Neuron SDK 2.29), as ``neuron/nxd_compat.py`` is of
+The one home of the port's adaptations of vllm-neuron 0.4.1 (Neuron SDK 2.29), as ``neuron/nxd_compat/`` is of
 NxD/NxDI's: a separate module because the vLLM plugin and ``compile --for-vllm`` import it without NxDI (which
 ``nxd_compat`` imports at module level). Imports neither vLLM nor NxDI at module level.
 """
