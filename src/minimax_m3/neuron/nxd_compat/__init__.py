@@ -48,7 +48,7 @@ from .weights import (checkpoint_path, fused_state_dict, layout_transformation_r
 __all__ = [
     "KVGroupOps", "M3ExpertMLPs", "OnDeviceSamplingHook", "PRIVATES", "SAMPLING_PARAMS_INPUT", "SpeculationOutputs",
     "checkpoint_path", "compiler_workdir", "cpu_argmax", "dispatch_ep_at_any_batch", "forward_kwargs",
-    "fused_state_dict", "infer_attention_mask", "is_context_encoding", "kv_process_group", "layout_transformation_requested",
-    "map_example_sampling_params", "nxd_sharding_model", "own_commands", "replace_router", "sampler_global_top_k",
-    "shard_part", "to_cpu", "with_fused_prefix",
+    "fused_state_dict", "infer_attention_mask", "is_context_encoding", "kv_process_group",
+    "layout_transformation_requested", "map_example_sampling_params", "nxd_sharding_model", "own_commands",
+    "replace_router", "sampler_global_top_k", "shard_part", "to_cpu", "with_fused_prefix",
 ]
