@@ -1,4 +1,4 @@
-"""A ``--weights fp8`` build's pre-sharded rank files at TP 2: the streamed writer (``neuron.sharded.write_sharded``)
+"""A ``--weights fp8`` build's pre-sharded rank files at TP 2: the streamed writer (``neuron.rank_files.write_sharded``)
 against NxD's own ``ModelBuilder.shard_checkpoint`` on the same NxDI application (oracle: NxD), bit for bit; the
 routed experts are e4m3 with fp32 ``.scale`` tensors, the gate/up scale split with its weight's columns."""
 

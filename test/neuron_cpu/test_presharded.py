@@ -1,4 +1,4 @@
-"""Pre-sharded checkpoints streamed one unit at a time (``neuron.sharded.write_sharded``) at TP 2 and 4.
+"""Pre-sharded checkpoints streamed one unit at a time (``neuron.rank_files.write_sharded``) at TP 2 and 4.
 
 Oracle 1: NxD's own ``ModelBuilder.shard_checkpoint`` (what NxDI's ``shard_weights`` writes with
 ``save_sharded_checkpoint``), run on the same tiny synthetic checkpoint: every rank file must hold the same keys,

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from minimax_m3.config.sharding import LayoutError
+from minimax_m3.config.parallel import LayoutError
 from minimax_m3.ops import write_positions
 from minimax_m3.ops.indexer import index_block_scores, local_candidates, merge_candidates
 from minimax_m3.ops.layout import last_slot

@@ -13,7 +13,7 @@ import torch
 from minimax_m3 import ops
 from test.support import seq_shards as sh
 from test.support import oracles
-from minimax_m3.config import sharding
+from minimax_m3.config import parallel
 
 TOL = dict(rtol=0, atol=1e-5)
 B, HKV, R, D, DI, BS, TOPK = 2, 2, 2, 16, 8, 16, 3
@@ -58,17 +58,17 @@ def test_chunk_and_token_writes_place_each_position_on_its_owner(group):
 
 
 def test_layout_and_chunk_rules_name_the_sizes_that_work():
-    sharding.check_layout(128, 16)
-    sharding.check_call(8192, 128, 16)
-    with pytest.raises(sharding.LayoutError, match=r"\[1, 2, 4, 8, 16\]"):
-        sharding.check_layout(16, 3)
-    with pytest.raises(sharding.LayoutError, match=r"multiple of 128.*\[128, 256\]"):
-        sharding.check_call(200, 128, 16)
-    with pytest.raises(sharding.LayoutError, match=r"multiple of 48.*\[48\]"):
-        sharding.check_call(20, 16, 3)
+    parallel.check_layout(128, 16)
+    parallel.check_call(8192, 128, 16)
+    with pytest.raises(parallel.LayoutError, match=r"\[1, 2, 4, 8, 16\]"):
+        parallel.check_layout(16, 3)
+    with pytest.raises(parallel.LayoutError, match=r"multiple of 128.*\[128, 256\]"):
+        parallel.check_call(200, 128, 16)
+    with pytest.raises(parallel.LayoutError, match=r"multiple of 48.*\[48\]"):
+        parallel.check_call(20, 16, 3)
     with pytest.raises(ValueError):  # a LayoutError is a ValueError and an M3Error
-        sharding.check_call(0, 128, 16)
-    with pytest.raises(sharding.LayoutError, match="multiples of 4"):
+        parallel.check_call(0, 128, 16)
+    with pytest.raises(parallel.LayoutError, match="multiples of 4"):
         sh.write_call(torch.zeros(1, 8, 2), torch.zeros(1, 4, 2), 2, 0, 4, seq_dim=1)
 
 

@@ -1,13 +1,13 @@
 """The build rules an engine spec and NxDI's config share, one home each (``EngineSpec`` checks its spec with them;
 ``neuron.config``'s ``validate_config`` checks the configs vllm-neuron builds with them): the default buckets, the
 bucket rules and how they apply to a prefill chunk (:func:`chunk_problems`: the chunk's size rule itself is
-``config.sharding.check_call``, its one home; this module adds what the neuron backends' buckets and cache need of
+``config.parallel.check_call``, its one home; this module adds what the neuron backends' buckets and cache need of
 it). Imports only :mod:`minimax_m3.config`.
 """
 
 from __future__ import annotations
 
-from ..config import sharding
+from ..config import parallel
 from ..config.m3 import M3Config
 
 # prefill buckets: powers of two from 128, cut below the context length, which is added (NxDI's generate_buckets)
@@ -78,8 +78,8 @@ def bucket_problems(context_buckets, token_buckets, max_context_len: int, max_se
 def chunk_problems(chunk: int | None, config: M3Config, tp: int, *, neuron: bool = True,
                    max_context_len: int = 0, max_seq_len: int = 0) -> list[str]:
     """The rules a prefill chunk follows (the spec's checks and NxDI's ``validate_config`` call this). The layout's
-    (``sharding.check_call``): a multiple of the index block and, on the neuron backends, of the KV group
-    (``sharding.kv_group_size``: its ranks share the chunk's cache writes). Neuron: a prompt longer than one chunk is
+    (``parallel.check_call``): a multiple of the index block and, on the neuron backends, of the KV group
+    (``parallel.kv_group_size``: its ranks share the chunk's cache writes). Neuron: a prompt longer than one chunk is
     prefilled in calls at ``0, C, 2C, ...``, the last one padded on to its bucket (at most C) and written whole, so
     the cache must hold ``max_context_len`` rounded up to whole chunks. (Its buckets: :func:`bucket_problems`.)"""
     if chunk is None:
@@ -87,8 +87,8 @@ def chunk_problems(chunk: int | None, config: M3Config, tp: int, *, neuron: bool
     if chunk < 1:
         return [f"prefill_chunk (--prefill-chunk) must be >= 1, got {chunk}"]
     try:
-        sharding.check_call(chunk, config.index_block_size, sharding.kv_group_size(config, tp) if neuron else 1)
-    except sharding.LayoutError as e:
+        parallel.check_call(chunk, config.index_block_size, parallel.kv_group_size(config, tp) if neuron else 1)
+    except parallel.LayoutError as e:
         return [f"{p}: set --prefill-chunk (vLLM: prefill_chunk in override_neuron_config) to one of them"
                 for p in e.problems]
     whole = -(-max_context_len // chunk) * chunk

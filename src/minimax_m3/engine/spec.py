@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import sharding
+from ..config import parallel
 from .._atomic import write_atomic
 from ..config.m3 import ConfigError, M3Config
 from ..errors import M3Error
@@ -95,17 +95,17 @@ class EngineSpec:
             dtype = "bfloat16" if b == "neuron" or (device or "").startswith("cuda") else "float32"
         tp = self.tp
         if tp is None:
-            tp = sharding.TRN2["tp"] if b == "neuron" else _world_size()
+            tp = parallel.TRN2["tp"] if b == "neuron" else _world_size()
         ep = self.ep
         if ep is None:
             ep = tp if b == "neuron" else int(os.environ.get("MINIMAX_M3_EP", "1") or 1) if _world_size() > 1 else 1
-        lnc = self.lnc if self.lnc is not None else (sharding.TRN2["lnc"] if b == "neuron" else 1)
+        lnc = self.lnc if self.lnc is not None else (parallel.TRN2["lnc"] if b == "neuron" else 1)
         batch = self.max_batch if self.max_batch is not None else (1 if neuron else 8)
         ctx = self.max_context_len or (max(self.context_buckets) if self.context_buckets and not self.prefill_chunk
                                        else self.max_seq_len)
         chunk = self.prefill_chunk
         if chunk is None and config is not None:  # one prompt per call up to the cap (sharding's module doc)
-            chunk = sharding.default_prefill_chunk(config, tp, ctx) if neuron else _call_tokens(config)
+            chunk = parallel.default_prefill_chunk(config, tp, ctx) if neuron else _call_tokens(config)
         kw = dict(device=device, dtype=dtype, tp=tp, ep=ep, lnc=lnc, max_batch=batch, max_context_len=ctx,
                   prefill_chunk=chunk)
         if self.draft and self.num_speculative_tokens is None:
@@ -144,7 +144,7 @@ class EngineSpec:
             out.append(f"max_context_len {s.max_context_len} exceeds max_seq_len {s.max_seq_len}: a prompt must fit "
                        "the cache (lower --max-context-len or raise --max-seq-len)")
         if min(s.tp, s.ep) >= 1:
-            out += sharding.degree_problems(s.tp, s.ep)
+            out += parallel.degree_problems(s.tp, s.ep)
         if s.backend == "reference":
             out += s._reference_problems()
         if neuron:
@@ -240,7 +240,7 @@ class EngineSpec:
                                      self.max_seq_len, config, self.prefill_chunk)
 
     def _layout_problems(self, c: M3Config) -> list[str]:
-        out = sharding.model_problems(c, self.tp, self.ep, even_vocab=self.backend == "reference")
+        out = parallel.model_problems(c, self.tp, self.ep, even_vocab=self.backend == "reference")
         if self.max_seq_len > c.max_position_embeddings:
             out.append(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                        f"{c.max_position_embeddings}")

@@ -15,7 +15,7 @@ from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig
 
 from ..checkpoint import fp8_experts
 from ..checkpoint.draft import DraftError, draft_config
-from ..config import sharding
+from ..config import parallel
 from ..config.draft import DraftConfig
 from ..config.m3 import M3Config
 from ..engine.spec import EngineSpec
@@ -34,7 +34,7 @@ def _listed(buckets) -> list[int] | None:
 def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
     """NxDI's config of a resolved ``spec``; ``extra``: NxDI-only fields the spec does not carry (they win)."""
     on_cpu, batch, cb = spec.backend == "neuron-cpu", spec.max_batch, spec.continuous_batching
-    kw = dict(tp_degree=spec.tp, moe_ep_degree=spec.ep, moe_tp_degree=sharding.moe_tp(spec.tp, spec.ep),
+    kw = dict(tp_degree=spec.tp, moe_ep_degree=spec.ep, moe_tp_degree=parallel.moe_tp(spec.tp, spec.ep),
               batch_size=batch, ctx_batch_size=1 if cb else batch, tkg_batch_size=batch, max_batch_size=batch,
               is_continuous_batching=cb, seq_len=spec.max_seq_len, max_context_length=spec.max_context_len,
               torch_dtype=DTYPES[spec.dtype], padding_side="right", on_cpu=on_cpu, enable_bucketing=True,

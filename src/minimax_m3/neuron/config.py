@@ -23,7 +23,7 @@ from neuronx_distributed_inference.models.config import InferenceConfig, MoENeur
 from neuronx_distributed_inference.models.llama.modeling_llama import LlamaInferenceConfig
 from neuronx_distributed_inference.modules.autobucketing import generate_buckets_for_tkg
 
-from ..config import sharding
+from ..config import parallel
 from ..config.draft import DraftConfig, default_aux_layers, parse_draft_config
 from ..config.m3 import M3Config
 from ..engine.buckets import bucket_problems, chunk_problems, context_buckets
@@ -49,7 +49,7 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
     ``prefill_chunk`` (ours; the engine spec's ``prefill_chunk``, vLLM: ``override_neuron_config``): a prompt wider
     than this is prefilled in successive context-encoding calls of at most this many tokens, each attending to the
     cache the earlier calls wrote (``NeuronMiniMaxM3ForCausalLM.forward`` runs the loop); the context buckets end at
-    it. None: ``config.sharding.default_prefill_chunk`` of ``max_context_length`` (set by ``add_derived_config``)."""
+    it. None: ``config.parallel.default_prefill_chunk`` of ``max_context_length`` (set by ``add_derived_config``)."""
 
     def __init__(self, **kwargs):
         problems = serving_problems(kwargs)
@@ -59,7 +59,7 @@ class MiniMaxM3NeuronConfig(MoENeuronConfig):
         self.prefill_chunk = kwargs.pop("prefill_chunk", None)
         # vllm-neuron passes tp_degree only: the MoE split defaults to all TP ranks over moe_ep_degree groups
         tp, ep = kwargs.get("tp_degree", 1), kwargs.get("moe_ep_degree") or 1
-        kwargs.setdefault("moe_tp_degree", sharding.moe_tp(tp, ep))
+        kwargs.setdefault("moe_tp_degree", parallel.moe_tp(tp, ep))
         kwargs.setdefault("glu_mlp", True)
         kwargs.setdefault("glu_type", "swiglu")
         kwargs.setdefault("hidden_act_scaling_factor", 1.702)
@@ -155,12 +155,12 @@ KV_LAYOUTS = ("sharded", "replicated")
 
 
 def kv_group_size(cfg) -> int:
-    """G, the ranks sharing one KV head's caches: ``sharding.kv_group_size`` with the sharded layout (the default),
+    """G, the ranks sharing one KV head's caches: ``parallel.kv_group_size`` with the sharded layout (the default),
     else 1. The one home of this rule for a neuron config: the config sets ``num_cores_per_group`` from it (NxD builds
     the KV process group from that), the attention and the cache manager read it."""
     if getattr(cfg, "kv_layout", KV_LAYOUTS[0]) != "sharded":
         return 1
-    return sharding.kv_group_size(M3Config.from_fields(cfg.m3), cfg.neuron_config.tp_degree)
+    return parallel.kv_group_size(M3Config.from_fields(cfg.m3), cfg.neuron_config.tp_degree)
 
 
 def kv_layout_problems(cfg) -> list[str]:
@@ -175,15 +175,15 @@ def kv_layout_problems(cfg) -> list[str]:
     if g == 1:
         return []
     try:
-        sharding.check_layout(c.index_block_size, g)
-    except sharding.LayoutError as e:
+        parallel.check_layout(c.index_block_size, g)
+    except parallel.LayoutError as e:
         return [f"kv_layout 'sharded': {e.problems[0]}; or kv_layout 'replicated'"]
     out = []
     cte = nc.context_encoding_buckets if nc.enable_bucketing and nc.context_encoding_buckets else \
         [nc.max_context_length]
     if [b for b in cte if b % g]:
         out.append(f"kv_layout 'sharded' (G={g}): context-encoding buckets {sorted(cte)} must be multiples of {g}")
-    unit = sharding.call_unit(c.index_block_size, g)
+    unit = parallel.call_unit(c.index_block_size, g)
     if nc.seq_len % unit:
         out.append(f"kv_layout 'sharded' (G={g}): seq_len {nc.seq_len} must be a multiple of {unit} (lcm of the "
                    f"index block and G): e.g. {-(-nc.seq_len // unit) * unit}")
@@ -255,7 +255,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         ``self.prefill_chunk`` mirrors it (saved with the config)."""
         nc = self.neuron_config
         if nc.prefill_chunk is None:
-            nc.prefill_chunk = sharding.default_prefill_chunk(c, nc.tp_degree, nc.max_context_length)
+            nc.prefill_chunk = parallel.default_prefill_chunk(c, nc.tp_degree, nc.max_context_length)
         if nc.enable_bucketing and not nc.context_encoding_buckets and 0 < nc.prefill_chunk < nc.max_context_length:
             nc.context_encoding_buckets = context_buckets(nc.prefill_chunk)
         self.prefill_chunk = nc.prefill_chunk
@@ -291,7 +291,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         if bad:
             problems.append(f"aux_hidden_layers {bad}: a target layer id in [0, {c.num_layers})")
         tp = nc.tp_degree
-        problems += sharding.model_problems(c, tp, nc.moe_ep_degree)
+        problems += parallel.model_problems(c, tp, nc.moe_ep_degree)
         if not problems:
             problems += kv_layout_problems(self)
         # the buckets NxDI will build (its own when none are given; one of each length without bucketing)

@@ -18,7 +18,7 @@ from .chunk_loop import prefill_in_chunks
 from .config import MiniMaxM3InferenceConfig
 from .kv_cache import M3KVCacheManager
 from .layers import GemmaNorm, SwiGLUOAIMLP
-from .sharded import unfilled_parameters
+from .rank_files import unfilled_parameters
 from .sampling import SeededModelWrapper, SeededSampler, create_m3_sampler, validate, widen
 from .moe import attach_shared_expert, initialize_m3_moe_module
 
@@ -198,7 +198,7 @@ def stream_state_dict(path, config: MiniMaxM3InferenceConfig) -> dict:
 
 def stream_pairs(path, config: MiniMaxM3InferenceConfig):
     """The ``(name, tensor)`` stream behind :func:`stream_state_dict`, one rule's tensors at a time, unit by unit
-    (the global tensors, then each layer): what ``neuron.sharded.write_sharded`` shards without holding it all."""
+    (the global tensors, then each layer): what ``neuron.rank_files.write_sharded`` shards without holding it all."""
     nc = config.neuron_config
     pairs = convert.stream_state_dict(path, to="neuron", dtype=nc.torch_dtype, tp=nc.tp_degree,
                                       config=config.m3_config(), fused_qkv=nc.fused_qkv)
@@ -228,7 +228,7 @@ class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCau
 
     @classmethod
     def get_state_dict_stream(cls, model_name_or_path: str, config: MiniMaxM3InferenceConfig):
-        """:meth:`get_state_dict` as a stream of ``(name, tensor)``, unit by unit (``neuron.sharded``)."""
+        """:meth:`get_state_dict` as a stream of ``(name, tensor)``, unit by unit (``neuron.rank_files``)."""
         return stream_pairs(model_name_or_path, config)
 
     def get_model_wrapper_cls(self):
@@ -269,7 +269,7 @@ class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCau
         return out
 
     def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
-        """NxDI's pre-sharding (``save_sharded_checkpoint``), streamed: ``neuron.sharded.write_sharded`` writes the
+        """NxDI's pre-sharding (``save_sharded_checkpoint``), streamed: ``neuron.rank_files.write_sharded`` writes the
         same rank files one layer at a time instead of NxD's whole state dict plus every rank's shard in memory.
         NxDI's own path where it does more than shard (LoRA, the layout-transformation option) or is skipped."""
         import os
@@ -278,7 +278,7 @@ class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCau
         if nc.skip_sharding or not nc.save_sharded_checkpoint or nc.lora_config is not None \
                 or nc.enable_fused_speculation or nxd_compat.layout_transformation_requested():
             return super().shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
-        from .sharded import write_sharded
+        from .rank_files import write_sharded
 
         if pre_shard_weights_hook:
             pre_shard_weights_hook(self)

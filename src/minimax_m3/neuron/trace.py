@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from .._atomic import write_atomic
-from ..config import sharding
+from ..config import parallel
 from ..config.m3 import ConfigError, M3Config
 from ..engine.spec import EngineSpec, SpecError
 
@@ -45,7 +45,7 @@ def check(spec: EngineSpec) -> tuple[EngineSpec, M3Config]:
     s = spec.resolve(config)
     problems += spec.problems(config)
     if config is not None and min(s.tp, s.ep) >= 1:
-        problems += sharding.vocab_problems(config, s.tp)
+        problems += parallel.vocab_problems(config, s.tp)
     if problems:
         raise SpecError(problems, source="compile --dry-run")
     return s, config

@@ -9,7 +9,7 @@ of ``T`` tokens starts on a block boundary and ``T`` is a multiple of ``call_uni
 (``check_call``): each rank writes its ``T/G`` tokens (``step.residue``); decode writes one token per row on the
 rank that owns it (:func:`write_token`). ``G = 1`` is the replicated layout: every slot on the rank. The size rules
 (``G`` divides the block, a call is a multiple of ``lcm(block, G)``) are integer arithmetic with the other
-parallel-layout rules in ``config.sharding`` (``check_layout``, ``call_unit``, ``check_call``).
+parallel-layout rules in ``config.parallel`` (``check_layout``, ``call_unit``, ``check_call``).
 
 The attention step over this layout is :func:`minimax_m3.ops.step.attention_step`. Every rank may be passed as an int
 or a 0-d tensor (one SPMD graph for all ranks). XLA-safe (``test/xla``).

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..config import sharding
+from ..config import parallel
 from ..config.draft import DraftConfig, parse_draft_config
 from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, HBM_BYTES_PER_S, PEAK_FLOPS_PER_S, collectives, decode_floor_ms, \
@@ -44,7 +44,7 @@ def format_ttft(c: M3Config, p: MemoryPlan) -> str:
 
 def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None) -> str:
     gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
-    lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={sharding.moe_tp(p.tp, p.ep)}), batch={p.batch}, seq={p.seq}, "
+    lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={parallel.moe_tp(p.tp, p.ep)}), batch={p.batch}, seq={p.seq}, "
              f"prefill batch={p.ctx_batch}, weights {p.weights}, KV {p.kv_dtype}, {p.layout} caches; per rank:"]
     lines.append(f"  weights              {gib(p.weight_bytes)}")
     for name, n in (parts or {}).items():
@@ -135,9 +135,9 @@ def format_largest(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--tp", type=int, default=sharding.TRN2["tp"], help="tensor-parallel degree (ranks; default: "
+    ap.add_argument("--tp", type=int, default=parallel.TRN2["tp"], help="tensor-parallel degree (ranks; default: "
                     "trn2.48xlarge's %(default)s)")
-    ap.add_argument("--ep", type=int, default=sharding.TRN2["ep"], help="expert-parallel degree for the MoE (default: "
+    ap.add_argument("--ep", type=int, default=parallel.TRN2["ep"], help="expert-parallel degree for the MoE (default: "
                     "%(default)s)")
     ap.add_argument("--batch", type=int, required=True, help="sequences decoded together")
     ap.add_argument("--seq", type=int, required=True, help="maximum tokens per sequence (prompt + output)")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import sharding
+from ..config import parallel
 from ..config.m3 import M3Config
 from ..ops.step import ONE_GATHER_TOKENS
 from .memory import (BF16, FP32, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens, prefill_tile,
@@ -47,7 +47,7 @@ def weights_read(c: M3Config, tp: int, ep: int, tokens: int, weights: str = "bf1
     for name in parts:
         if name != "routers (fp32)" and not (name == "routed experts" and weights == "fp8"):
             parts[name] = parts[name] * dtype_bytes // BF16
-    vocab_rank, local = -(-c.vocab_size // tp), sharding.local_experts(c.num_experts, ep)
+    vocab_rank, local = -(-c.vocab_size // tp), parallel.local_experts(c.num_experts, ep)
     parts["embedding + lm_head"] = (vocab_rank + min(tokens, vocab_rank)) * c.hidden_size * dtype_bytes
     parts["routed experts"] = parts["routed experts"] * min(local, tokens * c.top_k) // local
     return parts
@@ -71,7 +71,7 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     the caches (fp32 routers and fp8 experts keep their size). The one home of the verify step's minimum: the graph
     report's and the speculative projection's (:func:`.speculative.target_step`)."""
     w = sum(weights_read(c, tp, ep, batch * tokens, weights, dtype_bytes).values())
-    g = sharding.kv_group_size(c, tp) if layout == "sharded" else 1
+    g = parallel.kv_group_size(c, tp) if layout == "sharded" else 1
     kvb = dtype_bytes if kv_dtype == "bf16" else 1
     per_token_kv = _heads(c, c.num_kv_heads, tp) * c.head_dim * 2 * kvb
     n_sparse = sum(c.sparse_layers)
@@ -132,7 +132,7 @@ def chunk_flops(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int)
     size); attention counts the real queries' causal keys (as :func:`prefill_flops`) for the rank's ``qg`` group
     heads against its 1/G of the keys (= its own heads against all keys); the indexer scores the ``chunk``
     queries against the rank's 1/G of the keys ``< e``."""
-    g, kv, iq = sharding.kv_group_size(c, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
+    g, kv, iq = parallel.kv_group_size(c, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
     qg, e, n_sparse = c.q_per_kv * kv, min(start + chunk, seq), sum(c.sparse_layers)
     cap = c.index_topk * c.index_block_size
     keys = (n_sparse * (_causal_keys(e, cap) - _causal_keys(start, cap))
@@ -148,7 +148,7 @@ def chunk_flops(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int)
 def _moe_rows_read(c: M3Config, ep: int, tokens: int, moe_block: int = 512) -> int:
     """Rows of the blockwise MoE buffers a rank reads on average: its share of the ``tokens x top_k`` assignments
     (balanced routing) plus, per local expert, up to one partly filled block."""
-    local = sharding.local_experts(c.num_experts, ep)
+    local = parallel.local_experts(c.num_experts, ep)
     return tokens * c.top_k * local // c.num_experts + local * moe_block
 
 
@@ -167,7 +167,7 @@ def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int,
     * activations: 4 ``[chunk, hidden]`` bf16 copies per layer (residual, normed input, attention output, MLP
       output), and per MoE layer the blockwise rows the rank's experts get (:func:`_moe_rows_read`), tokens in,
       gate/up, out. G' = 1 replicated, G sharded."""
-    g = sharding.kv_group_size(c, tp) if layout == "sharded" else 1
+    g = parallel.kv_group_size(c, tp) if layout == "sharded" else 1
     kvb = BF16 if kv_dtype == "bf16" else 1
     kv, bs, n_sparse = _heads(c, c.num_kv_heads, tp), c.index_block_size, sum(c.sparse_layers)
     e = min(start + chunk, seq)
@@ -182,7 +182,7 @@ def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int,
             continue
         gathered += (t1 - t0) * min(c.index_topk, -(-t1 // bs)) * -(-bs // g) * 2 * kv * c.head_dim * kvb * n_sparse
         dense += keys * (c.num_layers - n_sparse)
-    moe_width = 2 * c.hidden_size + 2 * c.intermediate_size // sharding.moe_tp(tp, ep)
+    moe_width = 2 * c.hidden_size + 2 * c.intermediate_size // parallel.moe_tp(tp, ep)
     return {
         "weights": sum(weights_read(c, tp, ep, chunk, weights).values()),
         "index-K": index_k,
@@ -219,7 +219,7 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
     alone (the call's own keys: NxDI's flash kernel), without the group's collectives."""
     n_sparse = sum(c.sparse_layers)
     h, d, L = c.hidden_size, c.head_dim, c.num_layers
-    kv, iq, g = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp), sharding.kv_group_size(c, tp)
+    kv, iq, g = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp), parallel.kv_group_size(c, tp)
     qg = c.q_per_kv * kv
     rows = []
     if layout == "sharded" and g > 1:

@@ -1,7 +1,7 @@
 """Per-rank HBM of a TP x EP layout: weights, caches, prefill working memory, reserve (what ``plan()`` returns).
 
 Two cache layouts (``LAYOUTS``); G = ``tp / num_kv_heads`` is the group of ranks that share a KV head
-(``sharding.kv_group_size``; 16 for M3 at TP 64):
+(``parallel.kv_group_size``; 16 for M3 at TP 64):
 
 * ``replicated`` (the port's ``kv_layout="replicated"``, NxDI's GQA layout): each KV head's K and V stored whole
   on the G ranks of its group, the single index-K head on every rank; a prompt prefilled in ONE call whose attention
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import sharding
+from ..config import parallel
 from ..config.m3 import M3Config
 from ..errors import M3Error
 from ..ops.prefill import PREFILL_TILES, PREFILL_MAX_TILE, tile_for
@@ -53,7 +53,7 @@ HBM_BYTES_PER_S = 725e9  # one logical core's share of trn2 HBM bandwidth at LNC
 SHARD_ON_I_MULTIPLE = 256  # NxDI SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP (pads I/moe_tp with shard-on-I kernels)
 LAYOUTS = ("replicated", "sharded")
 PORT_LAYOUT = "sharded"  # what the port runs (neuron.config's kv_layout default): the library's default
-MAX_CHUNK = sharding.MAX_PREFILL_CHUNK  # the default prefill chunk's cap (chunk_choices)
+MAX_CHUNK = parallel.MAX_PREFILL_CHUNK  # the default prefill chunk's cap (chunk_choices)
 
 
 class PlanError(M3Error, ValueError):
@@ -96,18 +96,18 @@ class MemoryPlan:
 
 
 def _heads(c: M3Config, heads: int, tp: int) -> int:
-    """Heads per rank (``sharding.heads_per_rank``); a split that does not fit is one PlanError with every problem."""
-    n = sharding.heads_per_rank(heads, tp)
+    """Heads per rank (``parallel.heads_per_rank``); a split that does not fit is one PlanError with every problem."""
+    n = parallel.heads_per_rank(heads, tp)
     if not n:
-        raise PlanError(sharding.model_problems(c, tp, 1) or [f"{heads} heads do not fit tp {tp}"])
+        raise PlanError(parallel.model_problems(c, tp, 1) or [f"{heads} heads do not fit tp {tp}"])
     return n
 
 
 def cache_multiple(c: M3Config, tp: int, layout: str) -> int:
     """What a context bucket (and, sharded, a prefill chunk) is a multiple of: the index block, and with the
-    sharded caches ``lcm(block, G)`` (``sharding.chunk_unit``: every rank writes C / G tokens, chunks start on block
+    sharded caches ``lcm(block, G)`` (``parallel.chunk_unit``: every rank writes C / G tokens, chunks start on block
     boundaries)."""
-    return sharding.chunk_unit(c, tp) if layout == "sharded" else c.index_block_size
+    return parallel.chunk_unit(c, tp) if layout == "sharded" else c.index_block_size
 
 
 def cache_tokens(c: M3Config, tp: int, seq: int, layout: str) -> int:
@@ -123,21 +123,21 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[
     expert TP-sharded; routers (fp32, every rank); routed experts ``num_experts / ep`` per rank, each sharded over
     ``moe_tp``. ``fp8``: routed experts in NxD's expert-wise per-channel e4m3 layout (1 byte per weight + an fp32
     scale per output channel of each local expert), everything else bf16."""
-    problems = sharding.parallel_layout_problems(c, tp, ep)
+    problems = parallel.parallel_layout_problems(c, tp, ep)
     if problems:
         raise PlanError(problems)
-    moe_tp = sharding.moe_tp(tp, ep)
+    moe_tp = parallel.moe_tp(tp, ep)
     h, d, di = c.hidden_size, c.head_dim, c.index_head_dim
-    q = sharding.heads_per_rank(c.num_heads, tp)
-    kv = sharding.heads_per_rank(c.num_kv_heads, tp)
-    iq = sharding.heads_per_rank(c.index_heads, tp)
+    q = parallel.heads_per_rank(c.num_heads, tp)
+    kv = parallel.heads_per_rank(c.num_kv_heads, tp)
+    iq = parallel.heads_per_rank(c.index_heads, tp)
     n_moe = sum(c.moe_layers)
     n_sparse = sum(c.sparse_layers)
     vocab = -(-c.vocab_size // tp) * tp
     i_rank = c.intermediate_size // moe_tp
-    experts = n_moe * sharding.local_experts(c.num_experts, ep) * 3 * h * i_rank * (FP8 if weights == "fp8" else BF16)
+    experts = n_moe * parallel.local_experts(c.num_experts, ep) * 3 * h * i_rank * (FP8 if weights == "fp8" else BF16)
     if weights == "fp8":  # scales [E, 1, 2I/moe_tp] (gate/up, sharded with its columns) and [E, 1, H] (down)
-        experts += n_moe * sharding.local_experts(c.num_experts, ep) * (2 * i_rank + h) * FP32
+        experts += n_moe * parallel.local_experts(c.num_experts, ep) * (2 * i_rank + h) * FP32
     parts = {
         "embedding + lm_head": 2 * vocab // tp * h * BF16,
         "attention": c.num_layers * (2 * q * d * h + 2 * kv * d * h + 2 * d) * BF16,
@@ -155,7 +155,7 @@ def cache_bytes(c: M3Config, tp: int, batch: int, seq: int, layout: str = PORT_L
                 ) -> tuple[int, int]:
     """Per-rank (KV, index-K) cache bytes for ``batch`` sequences of ``seq`` tokens (rounded up to the bucket)."""
     s = cache_tokens(c, tp, seq, layout)
-    per_rank = s // sharding.kv_group_size(c, tp) if layout == "sharded" else s
+    per_rank = s // parallel.kv_group_size(c, tp) if layout == "sharded" else s
     kvb = BF16 if kv_dtype == "bf16" else 1
     kv = _heads(c, c.num_kv_heads, tp)
     return (batch * per_rank * c.num_layers * 2 * kv * c.head_dim * kvb,
@@ -171,7 +171,7 @@ def chunk_problems(c: M3Config, tp: int, seq: int, chunk: int) -> list[str]:
     """Why the sharded layout cannot prefill in calls of ``chunk`` tokens for a ``seq``-token context, with the
     sizes that would work (empty: it can)."""
     m, bucket = cache_multiple(c, tp, "sharded"), cache_tokens(c, tp, seq, "sharded")
-    g = sharding.kv_group_size(c, tp)
+    g = parallel.kv_group_size(c, tp)
     out = []
     if chunk < 1 or chunk % m:
         lo, hi = max(m, chunk // m * m), max(m, chunk // m * m + m)
@@ -220,7 +220,7 @@ def attention_tile_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chu
 def sharded_attention_bytes(c: M3Config, tp: int, seq: int, chunk: int) -> dict[str, int]:
     """Sharded layout: per-rank bytes of one prefill call's attention, its ``chunk`` queries against the keys of a
     ``seq``-token context (the module docstring lists each term); the larger of a sparse and a dense layer's."""
-    g, bs, k, d = sharding.kv_group_size(c, tp), c.index_block_size, c.index_topk, c.head_dim
+    g, bs, k, d = parallel.kv_group_size(c, tp), c.index_block_size, c.index_topk, c.head_dim
     kv, iq = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
     qg = c.q_per_kv * kv  # the query heads of the rank's KV groups, all-gathered within the group
     s = cache_tokens(c, tp, seq, "sharded")
@@ -254,9 +254,9 @@ def sharded_attention_bytes(c: M3Config, tp: int, seq: int, chunk: int) -> dict[
 def moe_bytes(c: M3Config, tp: int, ep: int, tokens: int, moe_block: int = 512) -> int:
     """Per-rank MoE bytes of a prefill of ``tokens`` tokens: fp32 router logits and scores, and NxDI's blockwise
     buffers (``ceil(T k / block) + local_experts - 1`` blocks of ``block`` rows: tokens in, gate/up, out)."""
-    rows = (-(-tokens * c.top_k // moe_block) + sharding.local_experts(c.num_experts, ep) - 1) * moe_block
+    rows = (-(-tokens * c.top_k // moe_block) + parallel.local_experts(c.num_experts, ep) - 1) * moe_block
     return (2 * tokens * c.num_experts * FP32
-            + rows * (2 * c.hidden_size + 2 * c.intermediate_size // sharding.moe_tp(tp, ep)) * BF16)
+            + rows * (2 * c.hidden_size + 2 * c.intermediate_size // parallel.moe_tp(tp, ep)) * BF16)
 
 
 def prefill_phases(c: M3Config, tp: int, ep: int, seq: int, ctx_batch: int = 1, chunk: int | None = None,
@@ -295,9 +295,9 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
         tokens, chunk = ctx_batch * seq, prefill_tile(c, seq, tiles, max_tile)
         phases = prefill_phases(c, tp, ep, seq, ctx_batch, chunk, moe_block)
     prefill = sum(prefill_persistent_bytes(c, tp, tokens, ctx_batch).values()) + max(phases.values())
-    notes, g = [], sharding.kv_group_size(c, tp)
-    i_tp = c.intermediate_size // sharding.moe_tp(tp, ep)
-    if sharding.moe_tp(tp, ep) > 1 and i_tp % SHARD_ON_I_MULTIPLE:
+    notes, g = [], parallel.kv_group_size(c, tp)
+    i_tp = c.intermediate_size // parallel.moe_tp(tp, ep)
+    if parallel.moe_tp(tp, ep) > 1 and i_tp % SHARD_ON_I_MULTIPLE:
         padded = -(-i_tp // SHARD_ON_I_MULTIPLE) * SHARD_ON_I_MULTIPLE
         notes.append(f"shard-on-I MoE kernels would pad I/moe_tp from {i_tp} to {padded} (not counted above)")
     if layout == "replicated" and tp > c.num_kv_heads:
@@ -310,9 +310,9 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
 
 
 def chunk_choices(c: M3Config, tp: int, seq: int, cap: int = MAX_CHUNK) -> list[int]:
-    """The default chunk's candidates, largest first (``sharding.prefill_chunk_choices``, whose first is the engine
+    """The default chunk's candidates, largest first (``parallel.prefill_chunk_choices``, whose first is the engine
     spec's default): the bucket when it is at most ``cap``, then ``lcm(block, G) x 2^j`` up to both."""
-    return sharding.prefill_chunk_choices(c, tp, seq, cap)
+    return parallel.prefill_chunk_choices(c, tp, seq, cap)
 
 
 def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import sharding
+from ..config import parallel
 from ..config.draft import DraftConfig
 from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, PEAK_FLOPS_PER_S, _per_token_flops, collectives, decode_minimum_bytes
@@ -105,7 +105,7 @@ def draft_heads(dc: DraftConfig, tp: int) -> tuple[int, int]:
     multiple of ``tp``; the KV heads of an MHA draft as the queries; of a GQA draft ``kv / tp`` where ``tp`` divides
     them, one where they divide ``tp`` (REPLICATE_TO_TP_DEGREE), else as the padded queries (CONVERT_TO_MHA). 48 MHA
     heads at TP 64: one of each per rank (the traced graph's)."""
-    q, kv = -(-dc.num_heads // tp), sharding.heads_per_rank(dc.num_kv_heads, tp)
+    q, kv = -(-dc.num_heads // tp), parallel.heads_per_rank(dc.num_kv_heads, tp)
     return (q, q) if dc.num_kv_heads == dc.num_heads or not kv else (q, kv)
 
 

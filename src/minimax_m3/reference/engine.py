@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import storage
-from ..config import sharding
+from ..config import parallel
 from ..config.m3 import M3Config
 from ..engine.loop import Engine, EngineInputError
 from ..engine.spec import EngineSpec
@@ -65,7 +65,7 @@ class ReferenceProvider:
         """Prefill a batch aligned at position 0 (right-padded) into a new cache of ``cache_len`` positions, in
         calls of at most ``prefill_chunk`` tokens (each row's last logits come from the call holding its last
         token). With ``_taps``, the states entering those layers at every position are kept in ``_hidden``."""
-        sharding.check_call(self.prefill_chunk, self.config.index_block_size)
+        parallel.check_call(self.prefill_chunk, self.config.index_block_size)
         b, s = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(b, s, dtype=torch.long)
         for i, p in enumerate(prompts):

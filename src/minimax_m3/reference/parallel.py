@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..config import sharding
+from ..config import parallel
 from ..config.m3 import M3Config
 from ..errors import M3Error
 
@@ -53,7 +53,7 @@ def experts_for_rank(ep_rank: int, num_experts: int, ep: int) -> range:
     """The contiguous expert range of one expert-parallel rank."""
     if num_experts % ep:
         raise ShardPlanError(f"{num_experts} experts do not split into ep={ep} groups")
-    n = sharding.local_experts(num_experts, ep)
+    n = parallel.local_experts(num_experts, ep)
     return range(ep_rank * n, (ep_rank + 1) * n)
 
 
@@ -69,7 +69,7 @@ class ShardPlan:
     # ---- derived ---------------------------------------------------------------------------------------------
     @property
     def moe_tp(self) -> int:
-        return sharding.moe_tp(self.world, self.ep)
+        return parallel.moe_tp(self.world, self.ep)
 
     @property
     def ep_rank(self) -> int:
@@ -99,7 +99,7 @@ class ShardPlan:
         """Raise one :class:`ShardPlanError` listing every degree that does not fit the model (``sharding``'s
         rules; the reference splits the vocabulary in equal slices)."""
         p = [] if 0 <= self.rank < self.world else [f"rank {self.rank} outside world size {self.world}"]
-        p += sharding.parallel_layout_problems(c, self.world, self.ep, even_vocab=True)
+        p += parallel.parallel_layout_problems(c, self.world, self.ep, even_vocab=True)
         if p:
             raise ShardPlanError(p)
 

@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
     from transformers import PretrainedConfig
 
-    from minimax_m3.config import sharding
+    from minimax_m3.config import parallel
     from minimax_m3.neuron import compile as ours
     from minimax_m3.neuron import trace as dry_run
 
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     spec, config = ours.check_dry_run(args)  # the same spec, checks and shapes as ``compile --dry-run ARGS``
     ctx, tkg, batch = list(spec.context_buckets), list(spec.token_buckets), spec.max_batch
     nc = contrib.MiniMaxM3NeuronConfig(
-        tp_degree=spec.tp, moe_ep_degree=spec.ep, moe_tp_degree=sharding.moe_tp(spec.tp, spec.ep),
+        tp_degree=spec.tp, moe_ep_degree=spec.ep, moe_tp_degree=parallel.moe_tp(spec.tp, spec.ep),
         logical_nc_config=spec.lnc, batch_size=batch, max_batch_size=batch, ctx_batch_size=batch,
         tkg_batch_size=batch, seq_len=spec.max_seq_len, max_context_length=spec.max_context_len,
         torch_dtype=getattr(torch, spec.dtype), enable_bucketing=True, context_encoding_buckets=ctx,

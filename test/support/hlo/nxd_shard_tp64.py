@@ -3,7 +3,7 @@
 ``python -m test.support.hlo.nxd_shard_tp64 CKPT OUT`` (run by ``test_shard_tp64.py`` in a subprocess of the NxDI
 environment, so NxD's process-global state — ``mock_distributed``, ``parallel_state``, the MoE process groups, env
 vars — never leaks into other tests) builds ``NeuronMiniMaxM3ForCausalLM`` with the trn2.48xlarge layout of
-``minimax_m3.config.sharding.TRN2`` (``--backend neuron``'s defaults) and runs
+``minimax_m3.config.parallel.TRN2`` (``--backend neuron``'s defaults) and runs
 ``get_builder().shard_checkpoint(serialize_path=OUT)``: NxD's
 ``ModelBuilder.shard_checkpoint`` under ``mock_distributed(64)`` on the meta device, one process, writing
 ``tp{r}_sharded_checkpoint.safetensors`` for r = 0..63 exactly as NxDI's ``shard_weights`` does with
@@ -123,7 +123,7 @@ def _shard(ckpt: str, out: Path) -> dict:
     from minimax_m3.neuron.model import NeuronMiniMaxM3ForCausalLM
 
     m3 = M3Config.from_pretrained(ckpt)
-    # --backend neuron's defaults: the trn2 layout (config.sharding.TRN2), bfloat16, sharded weights saved
+    # --backend neuron's defaults: the trn2 layout (config.parallel.TRN2), bfloat16, sharded weights saved
     spec = EngineSpec(ckpt, backend="neuron", max_batch=1, max_seq_len=256, context_buckets=(256,),
                       token_buckets=(256,)).resolve(m3)
     app = NeuronMiniMaxM3ForCausalLM(ckpt, inference_config(spec, m3, attn_kernel_enabled=False))

@@ -6,7 +6,7 @@ every rank by
 
 * ``nxd``: NxD's ``ModelBuilder.shard_checkpoint(serialize_path=OUT)``, the path of NxDI's ``shard_weights`` (the
   whole converted state dict in memory, every rank's shard kept until it returns) — the oracle;
-* ``stream``: :func:`minimax_m3.neuron.sharded.write_sharded`, one conversion unit at a time;
+* ``stream``: :func:`minimax_m3.neuron.rank_files.write_sharded`, one conversion unit at a time;
 * ``hook``: NxDI's ``shard_weights(OUT/compiled)`` as ``compile()`` calls it (the port's override streams), into
   ``OUT/compiled/weights/``.
 
@@ -121,19 +121,19 @@ def main(argv: list[str]) -> int:
         app.get_builder().shard_checkpoint(serialize_path=str(out))
         extra = {}
     elif mode == "stream":
-        from minimax_m3.neuron.sharded import write_sharded
+        from minimax_m3.neuron.rank_files import write_sharded
 
         extra = write_sharded(app, out)
     elif mode == "hook":  # NxDI's shard_weights as compile() calls it: the port's override streams
-        import minimax_m3.neuron.sharded as sharded
+        import minimax_m3.neuron.rank_files as rank_files
 
-        calls, real = [], sharded.write_sharded
-        sharded.write_sharded = lambda *a, **k: calls.append(real(*a, **k))
+        calls, real = [], rank_files.write_sharded
+        rank_files.write_sharded = lambda *a, **k: calls.append(real(*a, **k))
         app.shard_weights(str(out / "compiled"))
         extra = {"units": calls[0]["units"] if calls else 0, "write_sharded_calls": len(calls)}
     elif mode == "misnamed":  # a converter rule that misnames one key: refused by name, no rank file left
         from minimax_m3.checkpoint import CheckpointError
-        from minimax_m3.neuron.sharded import write_sharded
+        from minimax_m3.neuron.rank_files import write_sharded
 
         stream = app.get_state_dict_stream
 

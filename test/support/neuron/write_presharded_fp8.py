@@ -1,6 +1,6 @@
 """One sharding run of a ``--weights fp8`` build in a fresh interpreter (NxD's mock distribution): ``python -m
 test.support.neuron.write_presharded_fp8 stream|nxd CKPT OUT TP`` writes ``OUT/tp{r}_sharded_checkpoint.safetensors``
-through ``neuron.sharded.write_sharded`` (stream) or NxD's ``ModelBuilder.shard_checkpoint`` (nxd)."""
+through ``neuron.rank_files.write_sharded`` (stream) or NxD's ``ModelBuilder.shard_checkpoint`` (nxd)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     if mode == "nxd":
         app.get_builder().shard_checkpoint(serialize_path=str(out))
     else:
-        from minimax_m3.neuron.sharded import write_sharded
+        from minimax_m3.neuron.rank_files import write_sharded
 
         write_sharded(app, out)
     return 0

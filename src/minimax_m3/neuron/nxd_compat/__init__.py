@@ -14,7 +14,7 @@ code runs:
 * ``compile_time``: while NxDI compiles the application (NxD's compiler work directory, the dry run's command
   files, the sampling parameters of the example inputs NxD traces each bucket with);
 * ``weights``: when the weights are read (NxDI's checkpoint loader, a fused build's state dict) or pre-sharded
-  (NxD's sharding context and steps, for ``neuron/sharded.py``).
+  (NxD's sharding context and steps, for ``neuron/rank_files.py``).
 
 ``privates`` runs nothing: it holds :data:`PRIVATES`, every private name of NxD / NxDI (and torch, transformers,
 vllm-neuron) that a file under ``neuron/`` uses, with where upstream defines it, why, and the files that use it.

@@ -1,10 +1,10 @@
 """NxD / NxDI adaptations that run when the weights are read: NxDI's checkpoint loader (the application's
 ``checkpoint_loader_fn``: CPU mode, a device load without pre-sharded files, a fused-speculation build's draft and
-target) and pre-sharding at compile time (the application's ``shard_weights`` and ``neuron/sharded.py``, which writes
+target) and pre-sharding at compile time (the application's ``shard_weights`` and ``neuron/rank_files.py``, which writes
 NxD's rank files one unit of the state dict at a time).
 
 Targets Neuron SDK 2.29: NxDI 0.9 (4bcdc54; ``models/application_base.py``) and NxD 0.18 (``trace/model_builder.py``,
-``trace/trace.py``); each function and class names the upstream code it works around. ``neuron/sharded.py`` (which
+``trace/trace.py``); each function and class names the upstream code it works around. ``neuron/rank_files.py`` (which
 imports without the SDK) imports them inside its functions.
 """
 
@@ -66,7 +66,7 @@ class nxd_sharding_model:
     model``.
 
     Targets NxD 0.18 (``trace/model_builder.py``: ``ModelBuilder.shard_checkpoint``, whose set-up is not a function
-    of its own: it loads the whole state dict inside it, which ``neuron.sharded`` replaces by one unit at a time)."""
+    of its own: it loads the whole state dict inside it, which ``neuron.rank_files`` replaces by one unit at a time)."""
 
     def __init__(self, builder):
         self.builder = builder

@@ -1,4 +1,4 @@
-"""``neuron.sharded``'s file writing and unit grouping, without the Neuron SDK (its NxD part is tested in
+"""``neuron.rank_files``'s file writing and unit grouping, without the Neuron SDK (its NxD part is tested in
 ``test/neuron_cpu/test_presharded.py``). Oracle: safetensors' own loader reads back what was written."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from minimax_m3.checkpoint.mapping import unit_of
-from minimax_m3.neuron.sharded import RankFile, units
+from minimax_m3.neuron.rank_files import RankFile, units
 
 
 def test_units_group_the_stream_by_layer():

@@ -1,6 +1,7 @@
-"""The sharding arithmetic of MiniMax-M3: what divides what when the model is split over ``tp`` ranks, ``ep`` of
-them expert-parallel groups. The one home of these rules, used by the reference backend's ``ShardPlan``, the
-engine spec, the NxDI config's validation, the dry run's layout check and the capacity planner.
+"""The parallel-layout arithmetic of MiniMax-M3: what divides what when the model is split over ``tp`` ranks, ``ep`` of
+them expert-parallel groups, and the size rules of the KV caches split over a KV group. The one home of these rules,
+used by the reference backend's ``ShardPlan``, the engine spec, the NxDI config's validation, the dry run's layout
+check and the capacity planner.
 
 Layout (NxD's, which the reference follows): query heads split over the ``tp`` ranks; KV heads (and the index
 heads, one per KV head) split when there are at least ``tp`` of them, else each is replicated on ``tp / heads``
