@@ -221,8 +221,8 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         self.pad_token_id = getattr(self, "pad_token_id", None) or 0
         self.bos_token_id, self.eos_token_id = c.bos_token_id, c.eos_token_id
         self.output_attentions, self.output_hidden_states, self.use_return_dict = False, False, True
-        # the KV caches' layout (issue 23): "sharded" splits each KV head's K/V and index-K caches over the G ranks
-        # that hold the head (token p on group rank p mod G); "replicated" keeps NxDI's GQA copies. NxD's
+        # the KV caches' layout (docs/long_context_port.md): "sharded" splits each KV head's K/V and index-K caches over
+        # the G ranks that hold the head (token p on group rank p mod G); "replicated" keeps NxDI's GQA copies. NxD's
         # ModelBuilder builds the KV group from num_cores_per_group (flash_decoding_enabled stays off: the port's
         # attention and cache manager own the layout)
         self.kv_layout = getattr(self, "kv_layout", None) or KV_LAYOUTS[0]

@@ -8,21 +8,21 @@ device, copies the returned tensors back entry by entry (``_copy_past_key_values
 carried exactly like K and V. Layers receive ``past_key_value = [K, V, index_K]`` on sparse layers and return
 ``(K, V, index_k_new)``; index-K uses the same rows and slots as K/V:
 
-* prefill, static batching: rows ``0..B-1``, slots ``0..S-1`` (NxDI's ``fill_prefix``);
-* prefill, continuous batching (``ctx_batch_size=1``): row ``seq_ids[0]``, slots ``0..S-1``, written with
-  constant position indices as NxDI writes K/V there (``update_cache_const_indices``);
-* decode: row r for batch row r, slot ``position_ids[r]`` (NxDI's scatter when ``batch_size ==
-  kv_cache_batch_size``, which ``validate_config`` requires); a speculative verify step writes its ``k + 1`` tokens
-  per row at ``position_ids[r, :]`` the same way;
-* reads take the rows NxDI's ``get_kv_by_layer_id`` takes (padding rows dropped).
+* a context-encoding call (:meth:`CallWrites.write_call`, whatever the layout): its tokens from ``start =
+  position_ids[:, 0]`` at slots ``start/G ..`` of rows ``seq_ids`` (continuous batching) or ``0..B-1`` (static),
+  one scatter per line (the rank's residue of the call with ``G > 1``; all of it with one rank per KV head), so a
+  prompt can be prefilled in several calls;
+* decode, one rank per KV head: K/V through NxDI's own ``update_cache`` (its scatter at ``position_ids[r]`` for row
+  r when ``batch_size == kv_cache_batch_size``, which ``validate_config`` requires), index-K at the same slots
+  (``ops.write_positions``); a speculative verify step writes its ``k + 1`` tokens per row the same way;
+* decode on the sharded layout (:meth:`M3KVCacheManager.write_tokens`): each row's token on the rank that owns its
+  position (``ops.layout.write_token``);
+* reads: NxDI's ``get_kv_by_layer_id`` for K/V (padding rows dropped), a decode bucket ``b`` read as ``b / G``
+  slots; :meth:`CallWrites.prior` hands context encoding the rows' whole lines.
 
-**Sharded layout** (``config.kv_layout == "sharded"`` and G = ``config.num_cores_per_group`` > 1 ranks per KV head,
-issue 23): every K/V and index-K line holds ``max_len / G`` slots, token ``p`` on group rank ``p mod G`` at slot
-``p div G`` (``ops.layout``). A context-encoding call (a prefill chunk at ``start = position_ids[:, 0]``, a multiple
-of G; every call, whatever the layout, is written at its start so prompts can be prefilled in several calls) writes
-the rank's residue of its tokens at slots ``start/G ..`` of rows ``seq_ids`` (continuous batching) or ``0..B-1``; a
-decode step writes each row's token on the rank that owns its position (``ops.layout.write_token``); reads slice a
-decode bucket ``b`` to ``b / G`` slots. :meth:`prior` hands the attention the rows' whole lines in context encoding.
+**Sharded layout** (``kv_layout == "sharded"``, G = ``neuron.config.kv_group_size`` > 1 ranks per KV head): every
+K/V and index-K line holds ``max_len / G`` slots, token ``p`` on group rank ``p mod G`` at slot ``p div G``
+(``ops.layout``); a call starts on a multiple of G.
 
 :class:`DraftKVCacheManager`: the same call writes (:class:`CallWrites`) for the EAGLE3 draft of a fused build whose
 prompts take several calls (``neuron.eagle``), on NxDI's own cache otherwise.

@@ -10,11 +10,11 @@ time per prefill call, plus a fixed latency per collective); the sharded layout'
 (:mod:`.fit`, which also holds :func:`require_fit`, the check a compile runs first); with ``--speculative K``
 the projection of speculative decoding with an EAGLE3 draft (:mod:`.speculative`).
 
-Layouts: ``sharded`` is issue 23's and what the port runs (``PORT_LAYOUT``, the library's default; caches split
-over the G ranks of a KV group, prompts prefilled in calls of C tokens); ``replicated`` is NxDI's GQA layout (each
-KV head's caches copied on its G ranks, a prompt in one call), the port's ``kv_layout="replicated"``. Arithmetic
-from the config, not a measurement: nothing here has run on Trainium. Pure Python; it imports nothing from NxDI.
-"""
+Layouts: ``sharded`` (the sequence-sharded caches, docs/long_context_port.md) is what the port runs (``PORT_LAYOUT``,
+the library's default; caches split over the G ranks of a KV group, prompts prefilled in calls of C tokens);
+``replicated`` is NxDI's GQA layout (each KV head's caches copied on its G ranks, a prompt in one call), the port's
+``kv_layout="replicated"``. Arithmetic from the config, not a measurement: nothing here has run on Trainium. Pure
+Python; it imports nothing from NxDI. """
 
 from .cli import add_arguments, format_plan, main, register, run
 from .cost import (COLLECTIVE_LATENCY_S, LINK_BYTES_PER_S, PEAK_FLOPS_PER_S, Ttft, chunk_bytes, chunk_flops,

@@ -6,7 +6,7 @@ Two cache layouts (``LAYOUTS``); G = ``tp / num_kv_heads`` is the group of ranks
 * ``replicated`` (the port's ``kv_layout="replicated"``, NxDI's GQA layout): each KV head's K and V stored whole
   on the G ranks of its group, the single index-K head on every rank; a prompt prefilled in ONE call whose attention
   walks query tiles of ``ops.prefill.tile_for`` (the port's rule), so its working memory grows with the prompt.
-* ``sharded`` (issue 23, design notes 1 and 4; what the port runs, ``PORT_LAYOUT``, its ``kv_layout`` default):
+* ``sharded`` (docs/long_context_port.md; what the port runs, ``PORT_LAYOUT``, its ``kv_layout`` default):
   token p of a group lives on group rank ``p mod G`` at slot
   ``p div G``, so K/V and index-K take 1/G per rank; a prompt is prefilled in calls of C tokens (the chunk, a
   multiple of ``lcm(block, G)``, at most the context bucket), each attending to the cache the earlier calls wrote:
