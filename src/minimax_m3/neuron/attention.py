@@ -17,10 +17,12 @@
 * Sparse layers select per query and KV group the top-k blocks from the prior and active index keys (top-k through
   the SDK's ``TopK`` op on device) and read only those blocks, prior and active alike. Dense layers of a prompt's
   only call use NxDI's flash-attention kernel where NxDI's strategy picks it (device builds with the CTE attention
-  kernel on); otherwise the step. With the replicated layout a prefill call is walked in query tiles
-  (``ops.tile_for``: ``prefill_tiles`` (8) tiles up to ``prefill_tiles x prefill_max_tile`` tokens, then tiles of
-  ``prefill_max_tile`` (4096) queries, bounding one tile's index scores and gathered K/V; the loop is unrolled into
-  the graph: docs/neuron.md); the sharded layout reads ``1/G`` of each block and takes the call in one tile.
+  kernel on); otherwise the step over the call's own keys on the rank alone. A call with nothing before it is walked
+  in query tiles (``ops.tile_for``: ``prefill_tiles`` (8) tiles up to ``prefill_tiles x prefill_max_tile`` tokens,
+  then tiles of ``prefill_max_tile`` (4096) queries, bounding one tile's index scores and gathered K/V; the loop is
+  unrolled into the graph: docs/neuron.md); over the sharded caches (the whole prior lines, whatever the call: one
+  graph, one collective pattern for every bucket) a rank reads ``1/G`` of each block and takes the call in one
+  tile.
 """
 
 from __future__ import annotations
@@ -140,24 +142,29 @@ class NeuronMiniMaxM3Attention(NeuronAttentionBase):
         return self.prefill_call(Q, K, V), FlashAttentionStrategy.NONE
 
     def prefill_call(self, Q, K, V):
-        """A context-encoding call of ``T`` tokens from ``start = position_ids[:, 0]``: its own keys (the rank's
-        residue) plus, when prompts take several calls, the rows' prior lines (what earlier calls wrote)."""
+        """A context-encoding call of ``T`` tokens from ``start = position_ids[:, 0]``. A dense layer of a prompt's
+        only call attends the call's own keys on this rank alone (every rank computes its KV head's K/V for the whole
+        call: no collective), in query tiles. Otherwise the KV group's step over the rows' prior lines (what earlier
+        calls wrote; the whole lines, whatever the call) plus the call's own keys (the rank's residue), in one tile;
+        with one rank per KV head and a prompt in one call, over the call's own keys alone, in query tiles."""
         kv_mgr, layer, seq_ids, position_ids = self.call_context
         b, t = Q.shape[0], Q.shape[2]
         start = position_ids[:, 0].to(torch.int64)
         q_pos = start.view(-1, 1) + torch.arange(t, device=Q.device).view(1, -1)
+        tiles = ops.tile_for(t, self.tiles, self.m3.index_block_size, self.max_tile)
+        if not self.sparse and not self.chunked:
+            act = ops.call_active(K, V, None, start, 0, 1)
+            return ops.attention_step(Q, None, None, act, q_pos, start, 0, ops.Alone(), self.scale, tile=tiles)
         prior = [None, None, None]
-        if self.chunked:
+        if self.chunked or self.group > 1:
             prior = kv_mgr.prior(layer, seq_ids.view(-1).to(torch.int64) if self.continuous_batching else None, b)
         dtype = K.dtype if prior[0] is None else prior[0].dtype
         rank = self.group_rank()
         iq, ik = (self._index[0], self._index[1].to(dtype)) if self.sparse else (None, None)
         act = ops.call_active(K.to(dtype), V.to(dtype), ik, start, rank, self.group)
-        # one tile per call on sharded caches (each rank gathers 1/G of a block); query tiles with one rank per head
-        tile = t if self.group > 1 else ops.tile_for(t, self.tiles, self.m3.index_block_size, self.max_tile)
         return ops.attention_step(Q, prior[0], prior[1], act, q_pos, start, rank, self.group_ops(), self.scale,
                                   self.selection if self.sparse else None, iq, prior[2] if self.sparse else None,
-                                  _topk_fn(), tile=tile)
+                                  _topk_fn(), tile=tiles if prior[0] is None else t)
 
     # ---- decode and verify ---------------------------------------------------------------------------
     def attention_tokengen(self, Q, K, V, attention_mask, position_ids, past_key_value, active_mask, **kwargs):
