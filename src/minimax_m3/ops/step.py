@@ -280,7 +280,9 @@ def partial_attention(q: torch.Tensor, k_prior: torch.Tensor | None, v_prior: to
     outs = []
     for i0, i1 in _tiles(t, tile):
         act_i = _upto(act, i1, group)
-        if blocks is None:
+        # a tile of a call from position 0 whose queries see at most top-k blocks is dense causal (every block it
+        # sees would be selected): no gather
+        if blocks is None or (k_prior is None and -(-i1 // block_size) <= blocks.shape[-1]):
             outs.append(_dense(q[:, :, i0:i1], k_prior, v_prior, act_i, q_pos[:, i0:i1], start, rank, group, scale))
         else:
             outs.append(_sparse(q[:, :, i0:i1], k_prior, v_prior, act_i, q_pos[:, i0:i1], start, blocks[:, :, i0:i1],
