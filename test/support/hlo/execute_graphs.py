@@ -45,6 +45,9 @@ def main(dry: str, ckpt: str, request: str, out: str) -> None:
     man = json.loads((dry / "dry_run.json").read_text())
     req = json.loads(Path(request).read_text())
     config = MiniMaxM3InferenceConfig.load(str(dry))
+    # the dry run's saved config names the checkpoint it was traced with (``_name_or_path``), which NxDI's loader reads
+    # first; a dry run reused from the result cache may name a folder that is gone: the checkpoint is this argument
+    config._name_or_path = str(ckpt)
     app = NeuronMiniMaxM3ForCausalLM(ckpt, config)
     builder = app.get_builder()
     dev = torch_xla.device()
