@@ -403,9 +403,9 @@ def test_collectives_are_matched_to_the_planners_rows():
 
     kv = [[0, 1], [2, 3]]
     ops = [{"kind": "all-gather", "dtype": "bf16", "shape": [2, 1, 3, 8], "bytes": 96, "group_size": 2,
-            "replica_groups": kv, "where": "sharded_step.py:rank_attention:1"}] * 2 + [
+            "replica_groups": kv, "where": "step.py:attention_step:1"}] * 2 + [
            {"kind": "all-reduce (max)", "dtype": "f32", "shape": [1, 2, 3], "bytes": 24, "group_size": 2,
-            "replica_groups": kv, "where": "sharded_step.py:rank_attention:2"}]
+            "replica_groups": kv, "where": "step.py:attention_step:2"}]
     planner = [dict(name="group queries", kind="all-gather", ranks=2, dtype="bf16", bytes=96, count=2),
                dict(name="softmax maxima", kind="all-reduce (max)", ranks=2, dtype="fp32", bytes=24, count=1),
                dict(name="LM head logits", kind="all-gather", ranks=4, dtype="bf16", bytes=1024, count=1)]
@@ -415,5 +415,5 @@ def test_collectives_are_matched_to_the_planners_rows():
                       "all-gather bf16 x4 1.02 kB": [0, 1, "LM head logits"]}  # in the plan, not in the graph
     lines = format_collectives({"collective_ops": ops})
     assert lines[1].split() == ["2", "x", "all-gather", "bf16[2,", "1,", "3,", "8]", "groups", "2", "x", "2",
-                                "consecutive", "96", "B", "sharded_step.py:rank_attention:1"]
+                                "consecutive", "96", "B", "step.py:attention_step:1"]
 

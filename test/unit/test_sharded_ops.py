@@ -1,4 +1,4 @@
-"""The sequence-sharded layout (``ops.sharded``) against the unsharded ops.
+"""The sequence-sharded layout (``ops.layout``, ``ops.attention_step``'s pieces) against the unsharded ops.
 
 Oracles: the unsharded ``ops`` (``index_block_scores`` + ``select_blocks``, ``prefill_step``;
 graded against transformers in test_ops / test_prefill_tiles / test_decode_ops), a brute-force Python sort for the
@@ -161,7 +161,7 @@ def _model_inputs(s, seed):
 
 
 def _attend(q, k, v, q_pos, group, scale, blocks):
-    """Every rank's ``sharded_step.partial_attention`` over its shard of ``k, v [B, H, S, D]`` (the keys before the
+    """Every rank's ``ops.step.partial_attention`` over its shard of ``k, v [B, H, S, D]`` (the keys before the
     first query as its prior, the queries' own tokens active on their owners), combined: the attention of the
     queries ``q [B, Hq, Tq, D]`` at ``q_pos [B, Tq]`` (the last ``Tq`` positions)."""
     tq, start = q.shape[2], q_pos[:, 0]
@@ -197,7 +197,7 @@ def test_partial_attention_reads_only_its_keys_of_the_selected_blocks(group):
 
 
 def test_gathered_bytes_are_counted_from_the_gathers():
-    """What ``sharded_step.partial_attention``'s gathers return (recorded under a dispatch mode) is gathered_kv_bytes
+    """What ``ops.step.partial_attention``'s gathers return (recorded under a dispatch mode) is gathered_kv_bytes
     per row and KV head; for M3 (block 128, top-16, D 128, bf16, G = 16) that is 1 MiB per 16 queries."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -1,6 +1,7 @@
-"""Static-graph proof of the sequence-sharded layout's per-rank ops (``ops.sharded``) on the XLA CPU device.
+"""Static-graph proof of the sequence-sharded layout's per-rank ops (``ops.layout``, ``ops.step``) on the XLA CPU
+device.
 
-One rank's share of a prefill chunk and of a decode step (``ops.sharded_step``, as the port runs it, the collectives
+One rank's share of a prefill chunk and of a decode step (``ops.step``, as the port runs it, the collectives
 stood in): its block scores over its prior shard and active keys, local candidates, the merge of the group's
 candidates, its partial attention over the selected blocks and over its whole shard, the combine, and the chunk /
 token writes into the rank's shards. Outputs equal the eager CPU run (float32, <= 1e-5; block
