@@ -177,15 +177,14 @@ def _tiles(t: int, tile: int | None):
 
 
 def _select(iq, ik_prior, act: Active, q_pos, start, sel: Selection, rank, group: int, nblk: int, tile, topk_fn):
-    """The rank's local candidates ``[B, H, T, K, 2]`` (score, id as float32), query tile by query tile."""
+    """The rank's local candidates ``(scores, ids)``, ``[B, H, T, K]`` each, query tile by query tile."""
     parts = []
     for i0, i1 in _tiles(q_pos.shape[1], tile):
         partial = block_scores(iq[:, :, i0:i1], ik_prior, _upto(act, i1, group), q_pos[:, i0:i1], start,
                                sel.block_size, rank, group, nblk)
-        scores, ids = local_candidates(partial, q_pos[:, i0:i1], sel.block_size, sel.topk, sel.init_blocks,
-                                       sel.local_blocks, topk_fn)
-        parts.append(torch.stack([scores, ids.float()], dim=-1))
-    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        parts.append(local_candidates(partial, q_pos[:, i0:i1], sel.block_size, sel.topk, sel.init_blocks,
+                                      sel.local_blocks, topk_fn))
+    return tuple(torch.cat(x, dim=2) for x in zip(*parts)) if len(parts) > 1 else parts[0]
 
 
 def _gather(table: torch.Tensor, ids: torch.Tensor, nblk: int) -> torch.Tensor:
@@ -312,9 +311,13 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
     if sel is not None:
         keys = (ik_prior.shape[1] if ik_prior is not None else act.ik.shape[1]) * g
         nblk = -(-keys // sel.block_size)
-    cands = None
+    cands = blocks = None
     if sel is not None and nblk > sel.topk:
-        cands = _select(iq, ik_prior, act, q_pos, start, sel, rank, g, nblk, tile, topk_fn)  # [B, H, T, K, 2]
+        scores, ids = _select(iq, ik_prior, act, q_pos, start, sel, rank, g, nblk, tile, topk_fn)
+        if g == 1:  # the rank's own candidates are the selection
+            blocks = ids
+        else:
+            cands = torch.stack([scores, ids.float()], dim=-1)  # [B, H, T, K, 2]
     if g == 1:
         q = q_local
     elif cands is not None and one_gather:  # decode, verify: one all-gather carries the query heads and candidates
@@ -329,12 +332,8 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
         q = group.all_gather(q_local, 1)  # [B, G * Hl, T, D]: the group's heads, in rank order
         if cands is not None:
             cands = group.all_gather(cands.unsqueeze(0), 0)
-    blocks = None
     if cands is not None:
-        if g == 1:  # the rank's own candidates are the selection
-            blocks = cands[..., 1].to(torch.int64)
-        else:
-            blocks = merge_candidates(cands[..., 0], cands[..., 1].to(torch.int64), nblk, sel.topk, topk_fn)
+        blocks = merge_candidates(cands[..., 0], cands[..., 1].to(torch.int64), nblk, sel.topk, topk_fn)
     out, top, total = partial_attention(q, k_prior, v_prior, act, q_pos, start, rank, g, scale, blocks,
                                         None if sel is None else sel.block_size, tile)
     if g == 1:
