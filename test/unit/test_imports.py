@@ -36,6 +36,8 @@ MAY_IMPORT = {  # unit -> the units below it (ARCHITECTURE.md, "Packages"); clos
     "planner": {"config", "ops"},  # the port's rules (chunk, sharding) read from their one home; no NxDI
     "graphs": {"planner", "config"},  # the report sets the traced cost beside the planner's minimum
     "neuron": {"engine", "ops", "checkpoint", "config", "storage", "graphs", "planner"},
+    # the vLLM Neuron model: the reference's layers (parameters, TP/EP slicing, the loader) over paged caches
+    "vllm_neuron": {"reference", "ops", "config", "storage"},
     "eval": {"engine", "config", "load"},  # its longbench command and lm-eval adapter load engines
     "load": {"engine", "reference", "neuron", "config", "storage"},
 }

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from .attention import combine, partial_softmax
 from .indexer import index_block_scores, local_candidates, merge_candidates
 from .layout import last_slot, rank_index
+from .paged import Pages
 
 
 @dataclass(frozen=True)
@@ -145,21 +146,24 @@ def token_active(k, v, ik, q_pos: torch.Tensor, rank, group: int) -> Active:
     return Active(k, v, torch.where(own, q_pos, q_pos[:, -1:] + 1), ik)
 
 
-def _upto(act: Active, end: int, group: int) -> Active:
+def _upto(act: Active | None, end: int, group: int) -> Active | None:
     """A blocked call's active keys that a query tile ending at call offset ``end`` may see (``j < ceil(end / G)``;
     a static slice); the whole of a token call's."""
-    if not act.blocked:
+    if act is None or not act.blocked:
         return act
     n = -(-end // group)
     return Active(act.k[:, :, :n], act.v[:, :, :n], act.pos[:, :n], None if act.ik is None else act.ik[:, :n], True)
 
 
-def block_scores(iq: torch.Tensor, ik_prior: torch.Tensor | None, act: Active, q_pos: torch.Tensor,
+def block_scores(iq: torch.Tensor, ik_prior: torch.Tensor | None, act: Active | None, q_pos: torch.Tensor,
                  start: torch.Tensor, block_size: int, rank, group: int, nblk: int) -> torch.Tensor:
     """``[B, H, T, nblk]`` float32: the rank's partial block scores, ``iq [B, H, T, Di]`` against its prior index
     keys (``ik_prior [B, S/G, Di]``, positions ``< start``; ``None``: none) and its active ones, max-pooled into the
-    ``nblk`` blocks of the line (``-inf`` where it holds no key the query may see)."""
+    ``nblk`` blocks of the line (``-inf`` where it holds no key the query may see). ``act`` None: the prior already
+    holds the call's keys (written first), each query reads its slots up to its own position."""
     b, h, t, _ = iq.shape
+    if act is None:
+        return index_block_scores(iq, ik_prior, last_slot(q_pos, rank, group), block_size // group)
     if ik_prior is None:
         scores = torch.full((b, h, t, nblk), float("-inf"), device=iq.device)
     else:
@@ -187,9 +191,11 @@ def _select(iq, ik_prior, act: Active, q_pos, start, sel: Selection, rank, group
     return tuple(torch.cat(x, dim=2) for x in zip(*parts)) if len(parts) > 1 else parts[0]
 
 
-def _gather(table: torch.Tensor, ids: torch.Tensor, nblk: int) -> torch.Tensor:
-    """``table [B, H, nblk * per, D]`` viewed by block; ``ids [B, H, T, K]`` (clamped into ``0 .. nblk-1``) →
-    ``[B, H, T, K * per, D]``: one row per selected block, never one per element."""
+def _gather(table, ids: torch.Tensor, nblk: int) -> torch.Tensor:
+    """``table [B, H, nblk * per, D]`` viewed by block (or :class:`Pages`: the rows' pages); ``ids [B, H, T, K]``
+    (clamped into ``0 .. nblk-1``) → ``[B, H, T, K * per, D]``: one row per selected block, never one per element."""
+    if isinstance(table, Pages):
+        return table.gather(ids)
     b, h, slots, d = table.shape
     per = slots // nblk
     rows = ((torch.arange(b * h, device=ids.device) * nblk).view(b, h, 1, 1) + ids).reshape(-1)
@@ -202,13 +208,14 @@ def _by_block(x: torch.Tensor, per: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-def _sparse(q, k, v, act: Active, q_pos, start, blocks, block_size: int, rank, group: int, scale: float):
+def _sparse(q, k, v, act: Active | None, q_pos, start, blocks, block_size: int, rank, group: int, scale: float):
     """One query tile of a sparse layer: each query reads its ``K`` selected blocks (``K x per`` keys). A call with
-    nothing before it (``k`` None; its own keys from a block boundary) gathers them from its own keys; otherwise from
-    the prior, plus the call's own keys where their block is selected (scored densely, then masked: the waste of a
-    later prefill call, ``1 + T/(K x block)`` times the block-sparse FLOPs). ``(out, max, sum)``."""
+    nothing before it (``k`` None; its own keys from a block boundary) gathers them from its own keys; a call whose
+    keys the caches already hold (``act`` None) from the caches alone; otherwise from the prior, plus the call's own
+    keys where their block is selected (scored densely, then masked: the waste of a later prefill call, ``1 +
+    T/(K x block)`` times the block-sparse FLOPs). ``(out, max, sum)``."""
     b, hq, t, d = q.shape
-    h, kk, per = act.k.shape[1], blocks.shape[-1], block_size // group
+    h, kk, per = (k if act is None else act.k).shape[1], blocks.shape[-1], block_size // group
     r = hq // h
     ids = blocks.clamp(min=0)
     key_pos = ((ids * block_size).unsqueeze(-1) + torch.arange(per, device=q.device) * group
@@ -220,6 +227,13 @@ def _sparse(q, k, v, act: Active, q_pos, start, blocks, block_size: int, rank, g
             _gather(_by_block(act.v, per), ids.clamp(max=nact - 1), nact)
         keep = (blocks >= 0).repeat_interleave(per, dim=-1) & (key_pos <= q_pos.view(b, 1, t, 1))
         scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [B, H, T, r, K * per]
+        p, top, total = partial_softmax(scores, keep.unsqueeze(3).expand_as(scores))
+        out = torch.matmul(p.to(vg.dtype), vg)
+    elif act is None:  # every selected block from the caches, each query's keys up to its own position
+        nblk = k.shape[2] // per
+        kg, vg = _gather(k, ids.clamp(max=nblk - 1), nblk), _gather(v, ids.clamp(max=nblk - 1), nblk)
+        keep = (blocks >= 0).repeat_interleave(per, dim=-1) & (key_pos <= q_pos.view(b, 1, t, 1))
+        scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale
         p, top, total = partial_softmax(scores, keep.unsqueeze(3).expand_as(scores))
         out = torch.matmul(p.to(vg.dtype), vg)
     else:  # the prior's selected blocks, plus the call's own keys where their block is selected
@@ -238,9 +252,22 @@ def _sparse(q, k, v, act: Active, q_pos, start, blocks, block_size: int, rank, g
             total.transpose(2, 3).reshape(b, hq, t))
 
 
-def _dense(q, k, v, act: Active, q_pos, start, rank, group: int, scale: float):
-    """One query tile of a dense layer: every prior slot before ``start`` and every active key up to the query."""
+def _dense(q, k, v, act: Active | None, q_pos, start, rank, group: int, scale: float):
+    """One query tile of a dense layer: every prior slot before ``start`` and every active key up to the query
+    (``act`` None: every slot up to the query's position)."""
     b, hq, t, d = q.shape
+    if isinstance(k, Pages):
+        k, v = k.lines(), v.lines()
+    if act is None:
+        h, slots = k.shape[1], k.shape[2]
+        r = hq // h
+        qg = q.reshape(b, h, r * t, d)
+        keep = (torch.arange(slots, device=q.device).view(1, 1, slots)
+                <= last_slot(q_pos, rank, group).view(b, t, 1)).view(b, 1, 1, t, slots)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, h, r, t, slots)
+        p, top, total = partial_softmax(scores * scale, keep.expand(b, 1, r, t, slots))
+        out = torch.matmul(p.to(v.dtype).reshape(b, h, r * t, slots), v)
+        return out.view(b, hq, t, d), top.reshape(b, hq, t), total.reshape(b, hq, t)
     h, a = act.k.shape[1], act.k.shape[2]
     r = hq // h
     qg = q.reshape(b, h, r * t, d)
@@ -274,7 +301,8 @@ def partial_attention(q: torch.Tensor, k_prior: torch.Tensor | None, v_prior: to
     b, hq, t, _ = q.shape
     if blocks is None:
         slots = 0 if k_prior is None else k_prior.shape[2]
-        cap = max(1, TILE_ELEMENTS // max(1, hq // act.k.shape[1] * (slots + act.pos.shape[1])))
+        h, a = (k_prior.shape[1], 0) if act is None else (act.k.shape[1], act.pos.shape[1])
+        cap = max(1, TILE_ELEMENTS // max(1, hq // h * (slots + a)))
         tile = min(tile or t, cap)
     outs = []
     for i0, i1 in _tiles(t, tile):

@@ -6,6 +6,7 @@ import torch
 
 from .. import ops
 from ..config.m3 import M3Config
+from . import fast
 
 
 class KVCache:
@@ -21,7 +22,44 @@ class KVCache:
             i: torch.zeros(batch, self.max_len, c.index_head_dim, dtype=dtype, device=device)
             for i in range(c.num_layers) if c.sparse_layers[i]
         }
-        self.tile = tile
+        self.tile, self.config = tile, c
+
+    def attend(self, layer: int, q, k, v, iq, ik, positions: torch.Tensor, kv_len: int, decode: bool,
+               sel: ops.Selection | None, paths) -> torch.Tensor:
+        """One layer's attention ``[B, Hq, S, D]`` for a call of ``S`` tokens per row at ``positions`` (``kv_len - S ..
+        kv_len - 1`` for a prefill call; one token per row in decode), then the call's entries written.
+
+        The step is ``ops.attention_step`` on the group of one rank (the step the Neuron port and the XLA proofs run):
+        the call attends to the prior cache (slots before the call) plus its own tokens. A call from a block boundary
+        reads its own keys by selected block (``ops.call_active``); a decode step or a verify step from any position
+        attends its few tokens densely (``ops.token_active``). Prefill from position 0 may instead run FlexAttention
+        (``paths``: the model's ``FastPaths``)."""
+        c, s = self.config, q.shape[2]
+        start = kv_len - s
+        if not decode and start == 0 and paths.flex(q.device):
+            blocks = fast.select_prefill_blocks(iq, ik, tile=self.tile, **sel.kwargs()) if sel else None
+            out = fast.flex_prefill(q, k, v, c.softmax_scale, blocks, c.index_block_size, paths.flex_compile)
+        else:
+            q_pos = positions.to(torch.int64)
+            first = q_pos[:, 0]
+            if decode or start % c.index_block_size:  # a few tokens per row from any position
+                act = ops.token_active(k, v, ik, q_pos, 0, 1)
+            else:  # a prefill call from a block boundary
+                act = ops.call_active(k, v, ik, first, 0, 1)
+            kc = vc = ikc = None
+            if kv_len > s:  # what the earlier calls (or steps) wrote: whole caches (sparse layers page them by
+                # block), index keys in whole blocks up to the call's end; dense layers read the slots before it
+                n = -(-kv_len // c.index_block_size) * c.index_block_size
+                if sel is not None:
+                    kc, vc, ikc = self.k[layer], self.v[layer], self.index_k[layer][:, :n]
+                else:
+                    kc, vc = self.k[layer][:, :, :start], self.v[layer][:, :, :start]
+            out = ops.attention_step(q, kc, vc, act, q_pos, first, 0, ops.Alone(), c.softmax_scale, sel, iq, ikc,
+                                     tile=self.tile)
+        self.write_kv(layer, k, v, positions)
+        if sel is not None:
+            self.write_index_k(layer, ik, positions)
+        return out
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         ops.write_positions(self.k[layer], k, positions, seq_dim=2)

@@ -152,46 +152,15 @@ class Attention(nn.Module):
             out += y.split([n for _, _, n, _ in group], dim=1)
         return out + [v.view(b, s, self.nkv, self.c.head_dim).transpose(1, 2)]
 
-    def forward(self, x, rope, positions, cache: KVCache, layer: int, kv_len: int, decode: bool):
-        """The step itself is ``ops.attention_step`` on the group of one rank (the step the Neuron port and the XLA
-        proofs run): a call of ``S`` tokens per row at ``positions`` (``kv_len - S .. kv_len - 1`` for a prefill
-        call; one token per row in decode) attends to the prior cache (slots before the call) plus its own tokens,
-        then the cache writes the call's entries. A call from a block boundary reads its own keys by selected block
-        (``ops.call_active``); a decode step or a verify step from any position attends its few tokens densely
-        (``ops.token_active``). Prefill from position 0 may instead run FlexAttention (``FastPaths``)."""
-        c = self.c
+    def forward(self, x, rope, positions, cache, layer: int, kv_len: int, decode: bool):
+        """Project, then let the cache run the step (``cache.attend``: :meth:`KVCache.attend` for the reference's
+        contiguous cache, the vLLM Neuron model's paged cache for its pages) and project out."""
         b, s, _ = x.shape
         q, k, *index, v = self._rotary_heads(x, rope)
-        sel = ops.Selection.of(c) if self.sparse else None
         iq, ik = (index[0], index[1][:, 0]) if self.sparse else (None, None)
-        start = kv_len - s
-        if not decode and start == 0 and self.paths.flex(q.device):
-            blocks = fast.select_prefill_blocks(iq, ik, tile=cache.tile, **sel.kwargs()) if self.sparse else None
-            out = fast.flex_prefill(q, k, v, c.softmax_scale, blocks, c.index_block_size, self.paths.flex_compile)
-        else:
-            q_pos = positions.to(torch.int64)
-            first = q_pos[:, 0]
-            if decode or start % c.index_block_size:  # a few tokens per row from any position
-                act = ops.token_active(k, v, ik, q_pos, 0, 1)
-            else:  # a prefill call from a block boundary
-                act = ops.call_active(k, v, ik, first, 0, 1)
-            kc = vc = ikc = None
-            if kv_len > s:  # what the earlier calls (or steps) wrote: whole caches (sparse layers page them by
-                # block), index keys in whole blocks up to the call's end; dense layers read the slots before it
-                n = -(-kv_len // c.index_block_size) * c.index_block_size
-                if self.sparse:
-                    kc, vc, ikc = cache.k[layer], cache.v[layer], cache.index_k[layer][:, :n]
-                else:
-                    kc, vc = cache.k[layer][:, :, :start], cache.v[layer][:, :, :start]
-            out = ops.attention_step(q, kc, vc, act, q_pos, first, 0, ops.Alone(), c.softmax_scale, sel, iq, ikc,
-                                     tile=cache.tile)
-        self._write(cache, layer, k, v, ik, positions)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nq * c.head_dim))
-
-    def _write(self, cache: KVCache, layer: int, k, v, ik, positions) -> None:
-        cache.write_kv(layer, k, v, positions)
-        if self.sparse:
-            cache.write_index_k(layer, ik, positions)
+        sel = ops.Selection.of(self.c) if self.sparse else None
+        out = cache.attend(layer, q, k, v, iq, ik, positions, kv_len, decode, sel, self.paths)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nq * self.c.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -238,6 +207,14 @@ class M3Model(nn.Module):
         ``hidden_at``: target layer ids (an EAGLE3 draft's, vLLM's indexing: id ``j`` is the residual stream entering
         layer ``j``, the output of layer ``j - 1``); the forward then returns ``(logits, hidden [B, S, n x hidden])``,
         the states concatenated in ascending id order at every position. The logits are the same either way."""
+        x, kept = self.backbone(ids, positions, cache, kv_len, decode, hidden_at)
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
+        logits = self.logits(x)
+        return logits if hidden_at is None else (logits, torch.cat(kept, dim=-1))
+
+    def backbone(self, ids, positions, cache, kv_len: int, decode: bool, hidden_at=None):
+        """The decoder stack: ``(x [B, S, hidden]`` before the final norm, the residual streams at ``hidden_at``)."""
         c = self.config
         x = self._embed(ids)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq, x.dtype)
@@ -248,10 +225,11 @@ class M3Model(nn.Module):
             if i in taps:
                 kept.append(x)
             x = layer(x, rope, positions, cache, kv_len, decode)
-        if logits_at is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
-        logits = self.plan.all_gather_last(F.linear(self.norm(x), self.lm_head.weight).float())
-        return logits if hidden_at is None else (logits, torch.cat(kept, dim=-1))
+        return x, kept
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the final hidden states ``x [..., hidden]`` (vocabulary-parallel ranks gathered)."""
+        return self.plan.all_gather_last(F.linear(self.norm(x), self.lm_head.weight).float())
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.plan.world == 1:

@@ -1,0 +1,122 @@
+"""MiniMax-M3 on vLLM Neuron's model contract: the factory the plugin builds, compiles and drives.
+
+The contract (vllm-neuron 0.24.0.1.1.0, ``jinhuang12/vllm-neuron`` at ``ed3580d``: ``vllm_neuron/model/qwen3/model.py``
+is the pattern; ``docs/notes/2026-12-03-vllm-neuron-runner.md`` cites the runner):
+
+* ``from_configs(hf_config, neuron_config)`` builds the model for this rank (vLLM's tensor-parallel group);
+* ``get_kv_spec()``: a K/V spec per layer and an index-key spec per sparse layer (:mod:`.paged_cache`);
+* ``bind_kv_cache({name: [k, v]})`` hands over the pages; ``load_weights(path, device, cache_dir)`` loads the rank's
+  weights from any published format (bf16, MXFP8, NVFP4) through ``checkpoint/``, as the reference does;
+* ``forward(input_ids [T], positions [T], ..., attn_metadata, sampling_positions, ...)``: ``T`` flat tokens, ``B`` rows
+  of ``T / B`` tokens each (``B`` = the block table's rows: one prompt segment, or a batch of decode / verify steps),
+  returns float32 logits ``[len(sampling_positions), vocab]`` for vLLM's sampler.
+
+The layers are the reference model's (:class:`minimax_m3.reference.model.M3Model`: the same parameters, TP/EP
+slicing and math); only the cache differs. Parallel layout: query heads over the TP ranks, KV heads split or
+replicated (the plugin's Qwen3 rule, NxD's), experts over ``ep`` expert-parallel groups (default: one expert-parallel
+group per rank where the experts divide, the NxDI port's EP 64 at TP 64: each rank holds whole experts, so its
+expert matmuls keep the full intermediate width; one all-reduce sums experts and shared expert, no all-to-all).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config.m3 import M3Config
+from ..errors import ServingError
+from ..reference.loader import load_model
+from ..reference.parallel import ShardPlan
+from .contract import KVSpec, LayerSpec, Layout, attention_spec, check_serving, index_spec
+from .paged_cache import PagedCache, Step
+
+
+def _tp_group() -> tuple[int, int, object]:
+    """``(world, rank, process group)`` of vLLM's tensor-parallel group where it is initialised, else one rank."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+    except ImportError:
+        return 1, 0, None
+    if not model_parallel_is_initialized():
+        return 1, 0, None
+    g = get_tp_group()
+    return g.world_size, g.rank_in_group, (g.device_group if g.world_size > 1 else None)
+
+
+def _dtype(hf_config, neuron_config) -> torch.dtype:
+    d = getattr(neuron_config, "torch_dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
+    if isinstance(d, str):
+        d = getattr(torch, d.removeprefix("torch."), d)
+    return d
+
+
+class MiniMaxM3ForCausalLM(nn.Module):
+    """The vLLM Neuron factory and model (see the module)."""
+
+    def __init__(self, config: M3Config, layout: Layout):
+        super().__init__()
+        self.config, self.layout = config, layout
+        self.plan = ShardPlan(world=layout.world, rank=layout.rank, ep=layout.ep, group=layout.group)
+        self.plan.check(config)
+        self.m3 = None  # the reference layers, built by load_weights
+        self.cache: PagedCache | None = None
+
+    @classmethod
+    def from_configs(cls, hf_config, neuron_config) -> MiniMaxM3ForCausalLM:
+        raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        c = M3Config.from_dict(raw, source="hf_config")
+        world, rank, group = _tp_group()
+        ep = getattr(neuron_config, "moe_ep_degree", None) or (world if c.num_experts % world == 0 else 1)
+        layout = Layout(world=world, rank=rank, ep=ep, dtype=_dtype(hf_config, neuron_config),
+                        tile=getattr(neuron_config, "attention_tile", None) or 256, group=group)
+        check_serving(c, hf_config, layout)
+        return cls(c, layout)
+
+    # ---- caches -------------------------------------------------------------------------------------------------
+    def get_kv_spec(self) -> KVSpec:
+        c, dtype = self.config, self.layout.dtype
+        kv = len(self.plan.kv_heads(c))
+        layers = []
+        for i in range(c.num_layers):
+            layers.append(LayerSpec(attention_spec(i), kv, c.head_dim, dtype))
+            if c.sparse_layers[i]:
+                layers.append(LayerSpec(index_spec(i), 1, c.index_head_dim // 2, dtype))
+        return KVSpec(layers=layers)
+
+    def bind_kv_cache(self, kv_caches: dict) -> None:
+        self.cache = PagedCache(self.config, kv_caches, self.layout.tile)
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    def load_weights(self, checkpoint_path: str, device=None, cache_dir: str | None = None) -> None:
+        """This rank's weights from a local checkpoint folder (any published format; ``s3://`` through
+        ``minimax_m3.storage`` into ``cache_dir``)."""
+        from ..storage import resolve  # boto3 only when an s3:// path asks for it
+
+        path = resolve(checkpoint_path, cache_dir)
+        self.m3 = load_model(path, device=device or "cpu", dtype=self.layout.dtype, config=self.config,
+                             plan=self.plan)
+
+    # ---- forward ------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds=None, is_token_ids=None,
+                attn_metadata: dict | None = None, sampling_positions: torch.Tensor | None = None,
+                sampling_params=None, spec_decode_metadata=None, logit_mask=None, rank=None, **kw) -> torch.Tensor:
+        if self.m3 is None or self.cache is None:
+            raise ServingError("forward before load_weights and bind_kv_cache: the runner calls both first")
+        if inputs_embeds is not None:
+            raise ServingError("prompt embeddings: MiniMax-M3's text backbone takes token ids only")
+        meta = attn_metadata[attention_spec(0)]
+        table = meta["block_table_tensor"]
+        b, t = table.shape[0], input_ids.shape[0]
+        if t % b:
+            raise ServingError(f"{t} tokens do not split into the block table's {b} rows")
+        self.cache.step = Step(meta["slot_mapping"].reshape(-1), table)
+        ids, pos = input_ids.view(b, t // b).long(), positions.view(b, t // b).long()
+        x, _ = self.m3.backbone(ids, pos, self.cache, 0, False)
+        x = x.reshape(t, -1)
+        if sampling_positions is not None:
+            x = x.index_select(0, sampling_positions.reshape(-1).long())
+        return self.m3.logits(x)
+
+
+__all__ = ["MiniMaxM3ForCausalLM"]

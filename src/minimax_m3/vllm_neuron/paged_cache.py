@@ -1,0 +1,73 @@
+"""The vLLM Neuron model's caches: paged K/V per layer and paged index keys per sparse layer, one block table.
+
+Per layer ``i`` the runner allocates, from :meth:`~.model.MiniMaxM3ForCausalLM.get_kv_spec`, K and V pages
+``[num_blocks, kv_heads, block, head_dim]`` under :func:`.contract.attention_spec`; per sparse layer the index keys
+under :func:`.contract.index_spec`, one head of ``index_head_dim / 2``: the first half of each key in the spec's K
+pages, the second in its V pages (the contract gives every spec a K and a V tensor; this way neither is idle). Every
+spec has the same block size and the scheduler hands one block table for all of them (a request's page ``j`` of
+every spec holds its positions ``j*block ..``), so a prefix-cache hit restores the K/V and the index keys together.
+
+A forward call (:meth:`PagedCache.attend`, per layer) writes its tokens' K, V and index keys at vLLM's
+``slot_mapping`` FIRST, then runs ``ops.attention_step`` with no active keys over the pages (``ops.paged.Pages``):
+every query reads its row's pages up to its own position (prefill from position 0, a segment after cached tokens or a
+prefix-cache hit, decode, a speculative verify step: one rule), by selected page on sparse layers, the segment's own
+keys included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..config.m3 import M3Config
+from ..errors import ServingError
+from ..ops.paged import Pages, write_slots
+from .contract import attention_spec, check_block_size, index_spec
+
+
+@dataclass
+class Step:
+    """What a forward call tells the caches: ``slots [T]`` (flat tokens, row-major; negative: padding) and the rows'
+    block tables ``table [B, W]``."""
+
+    slots: torch.Tensor
+    table: torch.Tensor
+
+
+class PagedCache:
+    """The bound K/V and index-key pages of every layer, and the current call's :class:`Step`."""
+
+    def __init__(self, c: M3Config, kv_caches: dict, tile: int):
+        self.config, self.tile, self.step = c, tile, None
+        self.k, self.v, self.ik = {}, {}, {}
+        for i in range(c.num_layers):
+            names = [attention_spec(i)] + ([index_spec(i)] if c.sparse_layers[i] else [])
+            missing = [n for n in names if n not in kv_caches]
+            if missing:
+                raise ServingError(f"no KV cache bound for {missing}: allocate every spec of get_kv_spec()")
+            self.k[i], self.v[i] = kv_caches[names[0]]
+            check_block_size(c, self.k[i].shape[2])
+            if c.sparse_layers[i]:
+                self.ik[i] = tuple(kv_caches[names[1]])
+
+    def attend(self, layer: int, q, k, v, iq, ik, positions: torch.Tensor, kv_len, decode, sel, paths):
+        """Layer ``layer``'s attention ``[B, Hq, S, D]`` for ``S`` tokens per row at ``positions [B, S]``: write the
+        call's K, V (and index keys) at the step's slots, then attend over the pages (``kv_len``, ``decode`` and
+        ``paths`` are the contiguous cache's; pages need neither)."""
+        step = self.step
+        b, h, s, d = k.shape
+        write_slots(self.k[layer], k.transpose(1, 2).reshape(b * s, h, d), step.slots)
+        write_slots(self.v[layer], v.transpose(1, 2).reshape(b * s, h, d), step.slots)
+        ik_line = None
+        if sel is not None:
+            lo, hi = self.ik[layer]
+            half = ik.shape[-1] // 2
+            write_slots(lo, ik[..., :half].reshape(b * s, 1, half), step.slots)
+            write_slots(hi, ik[..., half:].reshape(b * s, 1, half), step.slots)
+            ik_line = torch.cat([Pages(lo, step.table).lines()[:, 0], Pages(hi, step.table).lines()[:, 0]], dim=-1)
+        q_pos = positions.to(torch.int64)
+        return ops.attention_step(q, Pages(self.k[layer], step.table), Pages(self.v[layer], step.table), None,
+                                  q_pos, q_pos[:, 0], 0, ops.Alone(), self.config.softmax_scale, sel, iq, ik_line,
+                                  tile=self.tile)
