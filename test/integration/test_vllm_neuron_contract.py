@@ -119,7 +119,30 @@ def test_start_up_refusals_name_the_option(tiny_ckpt):
         MiniMaxM3ForCausalLM.from_configs(_hf_config(tiny_ckpt, architectures=["LlamaForCausalLM"]), nc)
     with pytest.raises(ServingError, match="--dtype bfloat16"):
         MiniMaxM3ForCausalLM.from_configs(_hf_config(tiny_ckpt), SimpleNamespace(torch_dtype=torch.float16))
+    with pytest.raises(ServingError, match="leave on_device_sampling_config unset"):
+        MiniMaxM3ForCausalLM.from_configs(_hf_config(tiny_ckpt), SimpleNamespace(
+            torch_dtype=torch.float32, on_device_sampling_config=object()))
     m = MiniMaxM3ForCausalLM.from_configs(_hf_config(tiny_ckpt), nc)
     caches = {s.name: [torch.zeros(4, s.num_kv_heads, 32, s.head_size)] * 2 for s in m.get_kv_spec().layers}
     with pytest.raises(ServingError, match="--block-size 16"):
         m.bind_kv_cache(caches)
+
+
+def test_eagle3_target_states_are_transformers_hidden_states(tiny_ckpt, hf_tiny):
+    """With a draft's layers set, the forward also returns the residual streams entering them at every token
+    (vLLM's EAGLE3 indexing: transformers' ``hidden_states[j]`` enters layer ``j``)."""
+    m = _model(tiny_ckpt)
+    m.set_aux_hidden_state_layers([3, 1])
+    ids = random_ids(50, seed=9)
+    pages = torch.arange(1, 5).view(1, 4)
+    pos = list(range(50))
+    logits, states = m.forward(torch.tensor(ids), torch.tensor(pos),
+                               attn_metadata=_meta(m, _slots(pages[0], pos, m.config.index_block_size), pages),
+                               sampling_positions=torch.tensor([49]))
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf_tiny(input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True)
+    want = torch.cat([out.hidden_states[1][0], out.hidden_states[3][0]], dim=-1).float()
+    assert states.shape == (50, 2 * m.config.hidden_size)
+    assert (states - want).abs().max().item() <= F32_TOL
+    assert (logits[0] - out.logits[0, 49].float()).abs().max().item() <= F32_TOL

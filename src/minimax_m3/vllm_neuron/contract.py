@@ -64,9 +64,12 @@ class Layout:
     group: object = field(default=None, compare=False, repr=False)
 
 
-def check_serving(c: M3Config, hf_config, layout: Layout) -> None:
+def check_serving(c: M3Config, hf_config, layout: Layout, neuron_config=None) -> None:
     """Every reason this deployment cannot be served, in one :class:`ServingError` naming the option to change."""
     problems = []
+    if getattr(neuron_config, "on_device_sampling_config", None) is not None:
+        problems.append("on_device_sampling_config: this model returns logits to vLLM's sampler; leave "
+                        "on_device_sampling_config unset in --additional-config's neuron_config")
     archs = tuple(getattr(hf_config, "architectures", None) or ())
     if archs and not set(archs) & set(ARCHITECTURES):
         problems.append(f"architectures {list(archs)}: this model serves {' or '.join(ARCHITECTURES)}")

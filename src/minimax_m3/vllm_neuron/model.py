@@ -60,6 +60,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         self.plan.check(config)
         self.m3 = None  # the reference layers, built by load_weights
         self.cache: PagedCache | None = None
+        self.aux_layers: tuple[int, ...] = ()  # EAGLE3 target states (vLLM's layer ids), none until a draft asks
 
     @classmethod
     def from_configs(cls, hf_config, neuron_config) -> MiniMaxM3ForCausalLM:
@@ -69,7 +70,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         ep = getattr(neuron_config, "moe_ep_degree", None) or (world if c.num_experts % world == 0 else 1)
         layout = Layout(world=world, rank=rank, ep=ep, dtype=_dtype(hf_config, neuron_config),
                         tile=getattr(neuron_config, "attention_tile", None) or 256, group=group)
-        check_serving(c, hf_config, layout)
+        check_serving(c, hf_config, layout, neuron_config)
         return cls(c, layout)
 
     # ---- caches -------------------------------------------------------------------------------------------------
@@ -96,6 +97,17 @@ class MiniMaxM3ForCausalLM(nn.Module):
         self.m3 = load_model(path, device=device or "cpu", dtype=self.layout.dtype, config=self.config,
                              plan=self.plan)
 
+    # ---- EAGLE3 target states (the plugin's SupportsEagle3 hooks) -------------------------------------------------
+    def set_aux_hidden_state_layers(self, layers) -> None:
+        """The layer ids whose input residual streams the draft reads (vLLM's indexing: id ``j`` enters layer
+        ``j``); the forward then returns ``(logits, states [T, len(layers) x hidden])``."""
+        self.aux_layers = tuple(sorted(int(i) for i in layers))
+
+    def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """vLLM's default EAGLE3 taps: layers 2, n/2 and n-3."""
+        n = self.config.num_layers
+        return (2, n // 2, n - 3)
+
     # ---- forward ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds=None, is_token_ids=None,
@@ -112,11 +124,12 @@ class MiniMaxM3ForCausalLM(nn.Module):
             raise ServingError(f"{t} tokens do not split into the block table's {b} rows")
         self.cache.step = Step(meta["slot_mapping"].reshape(-1), table)
         ids, pos = input_ids.view(b, t // b).long(), positions.view(b, t // b).long()
-        x, _ = self.m3.backbone(ids, pos, self.cache, 0, False)
+        x, kept = self.m3.backbone(ids, pos, self.cache, 0, False, self.aux_layers or None)
         x = x.reshape(t, -1)
         if sampling_positions is not None:
             x = x.index_select(0, sampling_positions.reshape(-1).long())
-        return self.m3.logits(x)
+        logits = self.m3.logits(x)
+        return (logits, torch.cat(kept, dim=-1).reshape(t, -1)) if self.aux_layers else logits
 
 
 __all__ = ["MiniMaxM3ForCausalLM"]
