@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 CITE = re.compile(r"(?<![\w./-])docs/((?:notes/)?[A-Za-z0-9_]+\.md)")  # not another repository's .../docs/x.md
 OUTSIDE = re.compile(r"shared/docs|shared/ARCHITECTURE")
 PAGES = {"ARCHITECTURE.md", "neuron.md", "reference.md", "workflows.md", "long_context.md", "long_context_port.md",
-         "speculative.md", "results.md"}
+         "speculative.md", "results.md", "vllm_neuron_model.md"}
 NOTES = {"m3_model_and_formats.md", "nxdi_api.md", "longbench_protocol.md", "oracle_notes.md", "hlo_gate.md",
          "trn2_port_review.md", "vllm_neuron.md", "perf_anchors.md", "peer_port_review.md"}
 

@@ -93,9 +93,11 @@ def test_model_flex_prefill_equals_plain(tiny_ckpt):
         flex = model(ids, pos, model.new_cache(2, 150), 150, decode=False)
     finally:
         model.paths.prefill = "auto"
-    # two formulations (FlexAttention's masked tiles, the plain path's gathered blocks): each within 1.2e-5 of
-    # transformers at 160 tokens (measured 4.3e-6 and 1.2e-5), so they agree within twice that
-    assert (flex - plain).abs().max() < 2.5e-5
+    # two formulations (FlexAttention's masked tiles, the plain path's gathered blocks), both well inside the 2e-4 the
+    # reference is graded by against transformers; measured on these 150 tokens (2026-12-03, x86 CPU): flex 0.0 from
+    # transformers, plain 2.53e-5 (the selected blocks in score order since a lone rank's candidate ids are its
+    # selection: another summation order than the earlier id order, 1.2e-5), so 5e-5 leaves twice the measured gap
+    assert (flex - plain).abs().max() < 5e-5
 
 
 def test_decode_step_never_reads_a_value_on_the_host():
