@@ -40,6 +40,13 @@ def toy(tmp_path_factory):
     return path, load_dense(path)
 
 
+@pytest.fixture(scope="module")
+def toy_index(tmp_path_factory):
+    """The toy with index keys: a second LayerSpec per layer, one head of 16 (the main layers: two heads of 8)."""
+    path = write_checkpoint(tmp_path_factory.mktemp("toy-index") / "m3-toy-index", seed=1, index_head_size=16)
+    return path, load_dense(path)
+
+
 def drive(tmp: Path, model: Path, engine: dict, requests: list[dict], env: dict | None = None) -> tuple[dict, list]:
     """One vllm.LLM on the harness in a fresh process; returns (driver output, trace records)."""
     trace = tmp / "trace.jsonl"
@@ -89,8 +96,8 @@ def segmented_requests() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def segmented(toy, tmp_path_factory):
-    path, dense = toy
+def segmented(toy_index, tmp_path_factory):
+    path, dense = toy_index
     requests = segmented_requests()
     out, records = drive(tmp_path_factory.mktemp("segmented"), path, SEGMENTED, requests)
     return requests, out, records, dense
@@ -99,6 +106,20 @@ def segmented(toy, tmp_path_factory):
 def test_greedy_tokens_equal_the_dense_oracle(segmented):
     requests, out, _, dense = segmented
     assert_oracle(out, requests, dense)
+
+
+def test_index_key_specs_share_the_kv_cache_group(segmented):
+    """LayerSpecs of other head sizes (the index keys, 1 x 16) join the main layers (2 x 8) in one vLLM KV cache group
+    (UniformTypeKVCacheSpecs): one block table and one set of block ids for all, per-layer cache shapes
+    [num_blocks, heads, block_size, head_size]; the block table 256/16 = 16 blocks wide."""
+    _, _, records, _ = segmented
+    (kv,) = [r for r in records if r["event"] == "kv_cache"]
+    (group,) = kv["groups"]
+    assert group["spec"] == "UniformTypeKVCacheSpecs" and group["block_table_width"] == 16
+    n = kv["num_blocks"]
+    assert group["layers"] == {"layers.0.self_attn": [n, 2, BLOCK, 8], "layers.1.self_attn": [n, 2, BLOCK, 8],
+                               "layers.0.self_attn.indexer": [n, 1, BLOCK, 16],
+                               "layers.1.self_attn.indexer": [n, 1, BLOCK, 16]}
 
 
 def test_a_prompt_longer_than_the_token_budget_is_prefilled_over_several_steps(segmented):

@@ -180,6 +180,11 @@ class HarnessRunner:
                 self.layer_group[name] = gi
         self.model.bind_kv_cache(caches)
         self.kv_caches = caches
+        self._trace({"event": "kv_cache", "num_blocks": kv_cache_config.num_blocks, "groups": [
+            {"spec": type(g.kv_cache_spec).__name__, "block_size": g.kv_cache_spec.block_size,
+             "layers": {n: list(caches[n][0].shape) for n in g.layer_names},
+             "block_table_width": int(self.input_batch.block_table[gi].block_table.cpu.shape[1])}
+            for gi, g in enumerate(kv_cache_config.kv_cache_groups)]})
         return caches
 
     # ---------------------------------------------------------- requests
