@@ -79,3 +79,11 @@ def test_padding_slots_go_to_the_null_page():
     assert cache[1, 0, 1].tolist() == [1.0, 1.0] and cache[2, 0, 7].tolist() == [1.0, 1.0]
     assert cache[0].abs().sum() == 1 * 2  # only the padding token, at the null page's slot 0
     assert cache.abs().sum() == 3 * 2
+
+
+def test_block_table_padding_reads_the_null_page():
+    """vLLM Neuron's runner pads block tables with -1: a padded entry reads page 0 (masked by position anyway)."""
+    cache = torch.arange(3 * 1 * P * 2, dtype=torch.float32).view(3, 1, P, 2)
+    pages = Pages(cache, torch.tensor([[2, -1]]))
+    assert torch.equal(pages.lines()[0, 0], torch.cat([cache[2, 0], cache[0, 0]]))
+    assert torch.equal(pages.gather(torch.tensor([[[[1, 0]]]]))[0, 0, 0], torch.cat([cache[0, 0], cache[2, 0]]))

@@ -2,7 +2,7 @@
 
 A paged cache is ``cache [N, H, P, D]``: ``N`` physical pages of ``P`` slots for ``H`` KV heads (vLLM Neuron's
 ``[num_blocks, num_kv_heads, block_size, head_size]``). Row ``b`` of a batch owns the pages of its block table
-``table [B, W]``: its page ``j`` holds positions ``j*P .. j*P + P - 1``, so the row's *line* (slot == position, the
+``table [B, W]`` (``-1`` past its last page): its page ``j`` holds positions ``j*P .. j*P + P - 1``, so the row's *line* (slot == position, the
 layout of every other cache here) is ``cache[table[b]]`` laid end to end. With ``P`` the index block size (M3's 128:
 a page is an index block) a selected block is one page, read where it lies: no copy of the line is ever made for a
 sparse layer.
@@ -31,11 +31,15 @@ class Pages:
         _, h, p, d = self.cache.shape
         return (self.table.shape[0], h, self.table.shape[1] * p, d)
 
+    def _pages(self) -> torch.Tensor:
+        """The table as page ids, its padding (``-1``: vLLM Neuron's runner pads block tables so) read as page 0."""
+        return self.table.to(torch.int64).clamp(min=0)
+
     def lines(self) -> torch.Tensor:
         """``[B, H, W*P, D]``: every page of every row (what a dense read needs)."""
         b, w = self.table.shape
         _, h, p, d = self.cache.shape
-        rows = self.cache.index_select(0, self.table.reshape(-1).to(torch.int64))  # [B*W, H, P, D]
+        rows = self.cache.index_select(0, self._pages().reshape(-1))  # [B*W, H, P, D]
         return rows.view(b, w, h, p, d).transpose(1, 2).reshape(b, h, w * p, d)
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
@@ -43,7 +47,7 @@ class Pages:
         query's row and KV head, one row of ``P`` slots per page."""
         b, h, t, k = ids.shape
         n, _, p, d = self.cache.shape
-        page = self.table.to(torch.int64).gather(1, ids.reshape(b, -1)).view(b, h, t, k)
+        page = self._pages().gather(1, ids.reshape(b, -1)).view(b, h, t, k)
         rows = (page * h + torch.arange(h, device=ids.device).view(1, h, 1, 1)).reshape(-1)
         return self.cache.reshape(n * h, p, d).index_select(0, rows).view(b, h, t, k * p, d)
 

@@ -13,9 +13,10 @@ is the pattern; ``docs/notes/2026-12-03-vllm-neuron-runner.md`` cites the runner
 
 The layers are the reference model's (:class:`minimax_m3.reference.model.M3Model`: the same parameters, TP/EP
 slicing and math); only the cache differs. Parallel layout: query heads over the TP ranks, KV heads split or
-replicated (the plugin's Qwen3 rule, NxD's), experts over ``ep`` expert-parallel groups (default: one expert-parallel
-group per rank where the experts divide, the NxDI port's EP 64 at TP 64: each rank holds whole experts, so its
-expert matmuls keep the full intermediate width; one all-reduce sums experts and shared expert, no all-to-all).
+replicated (the plugin's Qwen3 rule, NxD's), experts over ``ep`` expert-parallel groups: the neuron config's
+``ep_degree`` (the plugin's own knob; default 1, experts tensor-parallel as in the plugin's MoE models). At TP 64,
+``ep_degree: 64`` is the NxDI port's layout: each rank holds 2 whole experts, its expert matmuls keep the full
+intermediate width, and one all-reduce sums routed and shared experts (no all-to-all).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         c = M3Config.from_dict(raw, source="hf_config")
         world, rank, group = _tp_group()
-        ep = getattr(neuron_config, "moe_ep_degree", None) or (world if c.num_experts % world == 0 else 1)
+        ep = getattr(neuron_config, "ep_degree", None) or 1
         layout = Layout(world=world, rank=rank, ep=ep, dtype=_dtype(hf_config, neuron_config),
                         tile=getattr(neuron_config, "attention_tile", None) or 256, group=group)
         check_serving(c, hf_config, layout, neuron_config)
