@@ -3,9 +3,9 @@
 A paged cache is ``cache [N, H, P, D]``: ``N`` physical pages of ``P`` slots for ``H`` KV heads (vLLM Neuron's
 ``[num_blocks, num_kv_heads, block_size, head_size]``). Row ``b`` of a batch owns the pages of its block table
 ``table [B, W]`` (``-1`` past its last page): its page ``j`` holds positions ``j*P .. j*P + P - 1``, so the row's
-*line* (slot == position, the layout of every other cache here) is ``cache[table[b]]`` laid end to end. With ``P`` the index block size (M3's 128:
-a page is an index block) a selected block is one page, read where it lies: no copy of the line is ever made for a
-sparse layer.
+*line* (slot == position, the layout of every other cache here) is ``cache[table[b]]`` laid end to end. With ``P``
+the index block size (M3's 128: a page is an index block) a selected block is one page, read where it lies: no copy
+of the line is ever made for a sparse layer.
 
 Writes go to ``slot = page * P + offset`` (vLLM's ``slot_mapping``; a negative slot is padding and lands in page 0,
 vLLM's null page, which no request owns).
