@@ -184,20 +184,26 @@ def test_tokens_are_reported_at_the_step_that_sampled_them(segmented):
         assert steps == sorted(set(steps)), rid
 
 
-def test_single_shot_prefill_without_prefix_caching(toy, tmp_path):
+def test_single_shot_prefill_and_a_preempted_request(toy, tmp_path):
     """max_num_batched_tokens = max_model_len: no segmented prefill (kv_segment_size 0), the token buckets powers of
-    two from 128 (here [128]); each prompt one forward."""
+    two from 128 (here [128]); each prompt one forward. 8 usable blocks of 16 hold two 60-token prompts but not their
+    64th tokens: vLLM preempts one, and its recompute is one prefill forward of prompt + the tokens it had."""
     path, dense = toy
     engine = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=128, block_size=BLOCK,
-                  enable_prefix_caching=False, num_gpu_blocks_override=32)
-    requests = [{"id": f"r{i}", "prompt": _ids(n, 10 + i), "max_tokens": 6, "arrive": i} for i, n in
-                enumerate((70, 9, 33))]
+                  enable_prefix_caching=False, num_gpu_blocks_override=9)
+    requests = [{"id": "x", "prompt": _ids(60, 1), "max_tokens": 12, "arrive": 0},
+                {"id": "y", "prompt": _ids(58, 2), "max_tokens": 12, "arrive": 0},
+                {"id": "z", "prompt": _ids(9, 3), "max_tokens": 6, "arrive": 3}]
     out, records = drive(tmp_path, path, engine, requests)
     assert_oracle(out, requests, dense)
+    recomputed = []
     for r in requests:
-        (pre,) = forwards_of(records, r["id"], "prefill")
-        assert pre["kv_segment_size"] == 0 and pre["input_ids_shape"] == [128]
-        assert pre["num_tokens"] == [len(r["prompt"])] and pre["block_table_shape"] == [1, 8]
+        pre = forwards_of(records, r["id"], "prefill")
+        assert pre[0]["num_tokens"] == [len(r["prompt"])] and pre[0]["first_positions"] == [0]
+        for p in pre:
+            assert p["kv_segment_size"] == 0 and p["input_ids_shape"] == [128] and p["block_table_shape"] == [1, 8]
+        recomputed += [(r["id"], p["num_tokens"][0] - len(r["prompt"])) for p in pre[1:]]
+    assert recomputed and all(n > 0 for _, n in recomputed), recomputed
 
 
 def test_compiled_buckets_cover_every_forward(toy, tmp_path):
