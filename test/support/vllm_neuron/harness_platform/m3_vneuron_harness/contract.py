@@ -176,11 +176,12 @@ def resolve_neuron_config(vllm_config) -> HarnessNeuronConfig:
 def model_registry() -> dict[str, type]:
     """HF architecture name -> the contract's factory class.
 
-    ``M3_VNEURON_MODELS``: ``module:attribute`` (a dict) or several separated by commas, merged left to right; by
-    default ``minimax_m3.vllm_neuron.plugin:MODELS`` when that module exists. Read in every process vLLM starts.
+    ``M3_VNEURON_MODELS``: ``module:attribute`` (a dict, or a function returning one), several separated by commas,
+    merged left to right; by default ``minimax_m3.vllm_neuron.plugin:models`` when that module exists. Read in
+    every process vLLM starts.
     """
     spec = os.environ.get("M3_VNEURON_MODELS", "")
-    names = [s for s in spec.split(",") if s.strip()] or ["minimax_m3.vllm_neuron.plugin:MODELS"]
+    names = [s for s in spec.split(",") if s.strip()] or ["minimax_m3.vllm_neuron.plugin:models"]
     out: dict[str, type] = {}
     for name in names:
         module, _, attr = name.strip().partition(":")
@@ -190,5 +191,8 @@ def model_registry() -> dict[str, type]:
             if spec:  # named explicitly: its absence is an error
                 raise
             continue
-        out.update(getattr(mod, attr or "MODELS"))
+        found = getattr(mod, attr or "models", None)
+        if found is None and not attr:
+            found = mod.MODELS
+        out.update(found() if callable(found) else found)
     return out
