@@ -45,7 +45,17 @@ def _tp_group() -> tuple[int, int, object]:
 
 
 def _dtype(hf_config, neuron_config) -> torch.dtype:
-    d = getattr(neuron_config, "torch_dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
+    """The serving dtype: vLLM's ``--dtype`` (its current model config, which the KV caches follow too) where vLLM
+    is running, else the neuron config's, else the checkpoint's."""
+    d = None
+    try:
+        from vllm.config import get_current_vllm_config
+
+        model_config = get_current_vllm_config().model_config
+        d = getattr(model_config, "dtype", None)
+    except Exception:  # no vLLM, or no config set (a test building the model directly)
+        d = None
+    d = d or getattr(neuron_config, "torch_dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
     if isinstance(d, str):
         d = getattr(torch, d.removeprefix("torch."), d)
     return d
@@ -86,7 +96,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         return KVSpec(layers=layers)
 
     def bind_kv_cache(self, kv_caches: dict) -> None:
-        self.cache = PagedCache(self.config, kv_caches, self.layout.tile)
+        self.cache = PagedCache(self.config, kv_caches, self.layout.tile, self.layout.dtype)
 
     # ---- weights ------------------------------------------------------------------------------------------------
     def load_weights(self, checkpoint_path: str, device=None, cache_dir: str | None = None) -> None:

@@ -39,7 +39,7 @@ class Step:
 class PagedCache:
     """The bound K/V and index-key pages of every layer, and the current call's :class:`Step`."""
 
-    def __init__(self, c: M3Config, kv_caches: dict, tile: int):
+    def __init__(self, c: M3Config, kv_caches: dict, tile: int, dtype: torch.dtype):
         self.config, self.tile, self.step = c, tile, None
         self.k, self.v, self.ik = {}, {}, {}
         for i in range(c.num_layers):
@@ -49,6 +49,9 @@ class PagedCache:
                 raise ServingError(f"no KV cache bound for {missing}: allocate every spec of get_kv_spec()")
             self.k[i], self.v[i] = kv_caches[names[0]]
             check_block_size(c, self.k[i].shape[2])
+            if self.k[i].dtype != dtype:
+                raise ServingError(f"KV cache dtype {self.k[i].dtype}, model dtype {dtype}: serve with "
+                                   "--kv-cache-dtype auto (the caches in the model's dtype)")
             if c.sparse_layers[i]:
                 self.ik[i] = tuple(kv_caches[names[1]])
 

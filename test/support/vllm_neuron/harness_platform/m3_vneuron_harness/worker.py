@@ -31,7 +31,12 @@ class HarnessWorker(WorkerBase):
         self.model_runner = HarnessRunner(self.vllm_config, self.device)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        self.model_runner.load_model()
+        # under the engine's config, as vLLM's own worker loads (vllm/v1/worker/gpu_worker.py:380) and as the plugin's
+        # models expect (qwen3/model.py reads get_current_vllm_config() in load_weights)
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.load_model()
 
     def get_model(self):
         return self.model_runner.model

@@ -1,0 +1,125 @@
+"""MiniMax-M3's vLLM Neuron model (``minimax_m3.vllm_neuron``) under real vLLM 0.24 on CPU, through the harness that
+builds its forward calls as vllm-neuron 1.x's runner does (``test/support/vllm_neuron``): vLLM's own scheduler,
+KV-cache manager, prefix caching, chunked prefill and sampler, unmodified.
+
+Oracle: the reference backend's greedy tokens (``ReferenceEngine``, float32, one request at a time in contiguous caches;
+graded against transformers' ``minimax_m3_vl`` in ``test/integration``). Synthetic tiny checkpoint: 16-token blocks,
+top-2, so every prompt here longer than 32 tokens runs with sparse selection active. The harness's trace counts the
+tokens each forward ran and the engine step of every sampled token."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/test_vllm_neuron_offdevice.sh builds it)")
+pytest.importorskip("m3_vneuron_harness", reason="the harness plugin is not installed (test/support/vllm_neuron)")
+
+import torch  # noqa: E402
+
+from test.vllm_neuron.test_harness import drive, forwards_of  # noqa: E402
+
+BLOCK = 16  # the tiny preset's index block: the page size
+MODELS = "minimax_m3.vllm_neuron.plugin:models"
+ENGINE = dict(max_model_len=320, max_num_seqs=4, max_num_batched_tokens=2 * BLOCK, block_size=BLOCK,
+              enable_prefix_caching=True, enable_chunked_prefill=True, num_gpu_blocks_override=128)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def m3(tmp_path_factory):
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+    from minimax_m3.reference.engine import ReferenceEngine
+
+    path = write_synthetic(tmp_path_factory.mktemp("m3") / "tiny", "tiny", seed=0)
+    return path, ReferenceEngine.from_pretrained(path, device="cpu", dtype="float32", max_seq_len=512)
+
+
+def reference_greedy(engine, prompt: list[int], n: int) -> list[int]:
+    from minimax_m3 import GenerationConfig
+
+    return engine.generate([prompt], GenerationConfig(max_new_tokens=n))[0].tokens
+
+
+def requests() -> list[dict]:
+    long, a = _ids(200, 1), _ids(60, 2)
+    return [
+        {"id": "early", "prompt": _ids(40, 3), "max_tokens": 24, "arrive": 0},
+        {"id": "long", "prompt": long, "max_tokens": 6, "arrive": 2},  # 200 tokens in 32-token segments
+        {"id": "a", "prompt": a, "max_tokens": 6, "arrive": 2},
+        # after long's prefill: 72 shared tokens (four whole blocks + 8 of the fifth, a prefix ending mid-block)
+        {"id": "hit", "prompt": long[:72] + _ids(20, 4), "max_tokens": 6, "arrive": 14},
+        {"id": "cold", "prompt": _ids(33, 5), "max_tokens": 6, "arrive": 14},
+    ]
+
+
+@pytest.fixture(scope="module")
+def served(m3, tmp_path_factory):
+    path, ref = m3
+    reqs = requests()
+    out, records = drive(tmp_path_factory.mktemp("served"), path, ENGINE, reqs, env={"M3_VNEURON_MODELS": MODELS})
+    return reqs, out, records, ref
+
+
+def test_greedy_tokens_equal_the_reference(served):
+    reqs, out, _, ref = served
+    for r in reqs:
+        assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
+
+
+def test_the_index_keys_share_the_block_table(served):
+    """Every sparse layer's index-key spec (one head of index_head_dim / 2) is in the one KV-cache group."""
+    _, _, records, _ = served
+    (kv,) = [r for r in records if r["event"] == "kv_cache"]
+    (group,) = kv["groups"]
+    n = kv["num_blocks"]
+    assert group["layers"]["layers.0.self_attn"] == [n, 2, BLOCK, 32]
+    assert all(group["layers"][f"layers.{i}.self_attn.index_k"] == [n, 1, BLOCK, 16] for i in (1, 2, 3))
+    assert "layers.0.self_attn.index_k" not in group["layers"]  # layer 0 is dense
+
+
+def test_a_prefix_hit_runs_only_the_new_tokens(served):
+    """hit shares long's first 72 tokens: vLLM's prefix cache serves the four whole blocks (64), the model runs the
+    other 28 from position 64 (the shared tokens of the fifth block are recomputed), and its tokens are the cold
+    reference's; cold (no shared prefix) runs all 33."""
+    _, _, records, _ = served
+    for rid, first, ran in (("hit", 64, 92 - 64), ("cold", 0, 33), ("long", 0, 200)):
+        pre = forwards_of(records, rid, "prefill")
+        assert pre[0]["first_positions"][0] == first and pre[0]["cached_seq_len"] == first, rid
+        assert sum(r["num_tokens"][0] for r in pre) == ran, rid
+
+
+def test_a_long_prompt_is_prefilled_in_segments_while_others_decode(served):
+    """max_num_batched_tokens = two blocks: long's 200 tokens run as seven 32-token-bucket forwards on seven steps,
+    while early keeps decoding: one token every step, never a step between its tokens."""
+    _, out, records, _ = served
+    pre = forwards_of(records, "long", "prefill")
+    assert len(pre) == 7 and all(r["input_ids_shape"] == [32] for r in pre)
+    steps = sorted({r["step"] for r in pre})
+    early = out["token_steps"]["early"]
+    during = [s for s in early if steps[0] <= s <= steps[-1]]
+    assert len(during) >= len(steps)  # early got a token in every step of long's prefill
+    assert max(b - a for a, b in zip(early, early[1:])) == 1
+
+
+def test_preemption_recomputes_the_same_tokens(m3, tmp_path):
+    """Too few pages for both requests to finish: vLLM preempts one and later recomputes it (a prefill of prompt +
+    the tokens it had); the tokens are the reference's."""
+    path, ref = m3
+    engine = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=128, block_size=BLOCK,
+                  enable_prefix_caching=False, num_gpu_blocks_override=9)
+    reqs = [{"id": "x", "prompt": _ids(60, 11), "max_tokens": 12, "arrive": 0},
+            {"id": "y", "prompt": _ids(58, 12), "max_tokens": 12, "arrive": 0}]
+    out, records = drive(tmp_path, path, engine, reqs, env={"M3_VNEURON_MODELS": MODELS})
+    for r in reqs:
+        assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
+    prefills = defaultdict(int)
+    for r in records:
+        if r["event"] == "forward" and r["kind"] == "prefill":
+            prefills[r["req_ids"][0]] += 1
+    assert max(prefills.values()) >= 2, prefills  # a request prefilled twice: preempted, then recomputed
