@@ -1,7 +1,7 @@
 """The vLLM Neuron model contract's types, and what a MiniMax-M3 deployment on it must satisfy.
 
 The contract as read in vllm-neuron 0.24.0.1.1.0 (``jinhuang12/vllm-neuron`` at ``ed3580d``; see
-``docs/notes/2026-12-03-vllm-neuron-runner.md``): ``get_kv_spec() -> KVSpec(layers=[LayerSpec(name, num_kv_heads,
+``docs/notes/vllm_neuron_runner.md``): ``get_kv_spec() -> KVSpec(layers=[LayerSpec(name, num_kv_heads,
 head_size, dtype, sliding_window_size, chunk_size)])`` (``vllm_neuron/model/kv_cache.py``); the runner allocates K and
 V per spec, each ``[num_blocks, num_kv_heads, block_size, head_size]``, and hands them to ``bind_kv_cache``. Where the
 plugin is installed its classes are used; elsewhere (tests, the off-device harness) these stand-ins with the same

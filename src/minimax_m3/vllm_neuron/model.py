@@ -1,7 +1,7 @@
 """MiniMax-M3 on vLLM Neuron's model contract: the factory the plugin builds, compiles and drives.
 
 The contract (vllm-neuron 0.24.0.1.1.0, ``jinhuang12/vllm-neuron`` at ``ed3580d``: ``vllm_neuron/model/qwen3/model.py``
-is the pattern; ``docs/notes/2026-12-03-vllm-neuron-runner.md`` cites the runner):
+is the pattern; ``docs/notes/vllm_neuron_runner.md`` cites the runner):
 
 * ``from_configs(hf_config, neuron_config)`` builds the model for this rank (vLLM's tensor-parallel group);
 * ``get_kv_spec()``: a K/V spec per layer and an index-key spec per sparse layer (:mod:`.paged_cache`);

@@ -4,7 +4,7 @@
 float32. With ``index_head_size`` (config ``toy_index_head_size``) each layer also keeps "index keys" in a cache of its
 own, a second LayerSpec (``layers.{i}.self_attn.indexer``, one head of that size: M3's sparse-attention index keys
 in miniature), and adds ``q_idx . k_idx`` to every attention score, so a wrong page of index keys changes the tokens.
-The contract (docs/notes/2026-12-03-vllm-neuron-runner.md):
+The contract (docs/notes/vllm_neuron_runner.md):
 
 * ``from_configs(hf_config, neuron_config)`` (the runner builds it under ``torch.device("meta")``), then
   ``load_weights(path, device, cache_dir)`` materialises the parameters (``load_state_dict(assign=True)``);

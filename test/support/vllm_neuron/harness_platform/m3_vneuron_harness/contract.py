@@ -1,7 +1,7 @@
 """The vLLM Neuron 1.x model contract as the harness serves it: the stand-in ``neuron_config``, the buckets, the model
 registry.
 
-Citations (docs/notes/2026-12-03-vllm-neuron-runner.md lists them): files of ``jinhuang12/vllm-neuron`` at commit
+Citations (docs/notes/vllm_neuron_runner.md lists them): files of ``jinhuang12/vllm-neuron`` at commit
 ``ed3580d01e8632897b29986ab7532d8c5925846f`` (version 0.24.0.1.1.0), read through the search index, which serves
 them by character offset: ``R@N`` is ``vllm_neuron/vllm/worker/neuron_model_runner.py`` (410,470 characters) in the
 16,000-character page starting at offset N, ``S@N`` ``vllm/core/scheduler.py``, ``B@N`` ``utils/bucket_utils.py``,
