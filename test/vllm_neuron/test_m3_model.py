@@ -187,3 +187,21 @@ def test_vllm_serve_answers_completions_and_chat_completions(m3, tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def test_tensor_parallel_2_one_kv_head_per_rank(m3, tmp_path):
+    """tensor_parallel_size 2 (vLLM's multiprocess executor, a gloo group of two CPU workers): each rank holds 4 of
+    the 8 query heads, one of the 2 KV heads (its pages [N, 1, 16, 32]) and half the vocabulary; the model's
+    collectives run on vLLM's TP group. Prefix caching and 32-token segments on; tokens = the reference's."""
+    path, ref = m3
+    engine = dict(ENGINE, max_num_seqs=2, num_gpu_blocks_override=64, tensor_parallel_size=2,
+                  distributed_executor_backend="mp")
+    reqs = [{"id": "x", "prompt": _ids(70, 31), "max_tokens": 6, "arrive": 0},
+            {"id": "y", "prompt": _ids(40, 32), "max_tokens": 6, "arrive": 2}]
+    env = {"M3_VNEURON_MODELS": MODELS, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # vLLM's CPU workers would pin threads to one NUMA node each
+    out, records = drive(tmp_path, path, engine, reqs, env=env)
+    for r in reqs:
+        assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
+    (kv,) = [r for r in records if r["event"] == "kv_cache"][:1]
+    assert kv["groups"][0]["layers"]["layers.1.self_attn"] == [kv["num_blocks"], 1, BLOCK, 32]

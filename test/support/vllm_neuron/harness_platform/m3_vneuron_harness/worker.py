@@ -21,8 +21,8 @@ class HarnessWorker(WorkerBase):
 
         self.device = torch.device("cpu")
         pc = self.parallel_config
-        if pc.world_size != 1:
-            raise NotImplementedError("the harness runs one rank (tensor_parallel_size=1)")
+        if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
+            raise NotImplementedError("the harness runs tensor parallelism only (one pipeline stage, one DP rank)")
         init_distributed_environment(pc.world_size, self.rank, self.distributed_init_method or "env://",
                                      self.local_rank, "gloo")
         ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size,
