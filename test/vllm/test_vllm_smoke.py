@@ -10,16 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
 from minimax_m3.config import M3Config
 from test.conftest import random_ids
+from test.support.openai_server import free_port, post, serving
 
 from .conftest import vllm_missing
 
@@ -187,16 +185,7 @@ def _chain(exc):
         exc = exc.__cause__ or exc.__context__
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
+_free_port, _post = free_port, post  # the names the other test/vllm modules import
 
 
 def test_vllm_serve_answers_a_completions_request(model, golden, tmp_path):
@@ -214,32 +203,12 @@ def test_vllm_serve_answers_a_completions_request(model, golden, tmp_path):
 def vllm_serve(model, log_path, max_len, buckets, seqs=SEQS, extra=()):
     """``vllm serve`` of ``model`` (as ``m3-tiny``) on 127.0.0.1 in CPU mode (``buckets``: more neuron config;
     ``extra``: more command-line arguments); yields the port once it is healthy."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
     override = json.dumps({"override_neuron_config": {**CPU_MODE, **buckets}})
-    log = open(log_path, "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port",
-         str(port), "--dtype", "float32", "--tensor-parallel-size", "1", "--max-model-len", str(max_len),
-         "--max-num-seqs", str(seqs), "--no-enable-prefix-caching", "--served-model-name", "m3-tiny",
-         "--additional-config", override, *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 300
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"vllm serve exited ({server.returncode}):\n{log_path.read_text()[-4000:]}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                if time.time() > deadline:
-                    pytest.fail("vllm serve did not come up in 300 s:\n" + log_path.read_text()[-4000:])
-                time.sleep(2)
-        yield port
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port",
+           str(port), "--dtype", "float32", "--tensor-parallel-size", "1", "--max-model-len", str(max_len),
+           "--max-num-seqs", str(seqs), "--no-enable-prefix-caching", "--served-model-name", "m3-tiny",
+           "--additional-config", override, *extra]
+    with serving(cmd, port, env, log_path) as p:
+        yield p

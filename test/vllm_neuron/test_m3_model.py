@@ -129,64 +129,32 @@ def test_vllm_serve_answers_completions_and_chat_completions(m3, tmp_path):
     """``vllm serve`` (the OpenAI server, its engine core in a process of its own, where the plugins register again)
     on the harness: a completion and a chat completion, each greedy, each equal to the reference's tokens (the chat
     prompt as vLLM's chat template rendered it)."""
-    import json
     import os
-    import socket
-    import subprocess
     import sys
-    import time
-    import urllib.request
 
+    from test.support.openai_server import free_port, post, serving
     from test.vllm_neuron.test_harness import REPO
 
     path, ref = m3
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, M3_VNEURON_HARNESS="1", VLLM_PLUGINS="m3_vneuron_harness", M3_VNEURON_MODELS=MODELS,
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(path), "--host", "127.0.0.1", "--port",
-         str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "256",
-         "--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--served-model-name", "m3-tiny",
-         "--num-gpu-blocks-override", "64"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-
-    def post(route, body):
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/{route}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())
-
-    try:
-        deadline = time.time() + 300
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"vllm serve exited ({server.returncode}):\n{(tmp_path / 'serve.log').read_text()[-4000:]}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                assert time.time() < deadline, (tmp_path / "serve.log").read_text()[-4000:]
-                time.sleep(2)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(path), "--host", "127.0.0.1", "--port",
+           str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "256",
+           "--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--served-model-name", "m3-tiny",
+           "--num-gpu-blocks-override", "64"]
+    with serving(cmd, port, env, tmp_path / "serve.log", cwd=REPO):
+        url = f"http://127.0.0.1:{port}/v1"
         prompt = _ids(50, 21)
-        out = post("completions", {"model": "m3-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-                                   "ignore_eos": True, "return_token_ids": True})
+        out = post(f"{url}/completions", {"model": "m3-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+                                          "ignore_eos": True, "return_token_ids": True})
         assert out["choices"][0]["token_ids"] == reference_greedy(ref, prompt, 8)
-        chat = post("chat/completions", {"model": "m3-tiny", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
-                                         "return_token_ids": True,
-                                         "messages": [{"role": "user", "content": "Where is the needle?"}]})
+        chat = post(f"{url}/chat/completions", {
+            "model": "m3-tiny", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+            "messages": [{"role": "user", "content": "Where is the needle?"}]})
         choice = chat["choices"][0]
         assert choice["message"]["role"] == "assistant"
         assert choice["token_ids"] == reference_greedy(ref, chat["prompt_token_ids"], 6)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
 
 
 def test_tensor_parallel_2_one_kv_head_per_rank(m3, tmp_path):

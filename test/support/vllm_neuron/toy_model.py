@@ -24,32 +24,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from minimax_m3.vllm_neuron.contract import KVSpec, LayerSpec
 
 ARCH = "M3ToyForCausalLM"
 SIZES = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, intermediate_size=64)
 THETA = 10000.0
 EPS = 1e-6
-
-
-@dataclass
-class LayerSpec:  # vllm_neuron.model.kv_cache.LayerSpec's fields (the harness reads them by name)
-    name: str
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
-    sliding_window_size: int | None = None
-    chunk_size: int | None = None
-
-
-@dataclass
-class KVSpec:
-    layers: list[LayerSpec]
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

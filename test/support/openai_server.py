@@ -1,0 +1,55 @@
+"""``vllm serve`` in a test: a free port, the server started in a process of its own and waited for until healthy,
+JSON posts to it. Used by both vLLM suites (test/vllm: vLLM 0.13 + vllm-neuron 0.4.1; test/vllm_neuron: vLLM 0.24 on
+the harness platform)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], port: int, env: dict, log_path: Path, cwd=None, timeout: float = 300):
+    """Run ``cmd`` (a server on 127.0.0.1:``port``, output to ``log_path``) until its ``/health`` answers; yields, then
+    stops it. A server that exits or stays down for ``timeout`` seconds fails the test with its log's tail."""
+    log = open(log_path, "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"vllm serve exited ({server.returncode}):\n{log_path.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    pytest.fail(f"vllm serve did not come up in {timeout:.0f} s:\n" + log_path.read_text()[-4000:])
+                time.sleep(2)
+        yield port
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
