@@ -79,13 +79,14 @@ class MoE(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(c.num_experts, dtype=torch.float32))
         self.experts = Experts(c, plan)
         self.shared = DenseMLP(c, c.shared_intermediate_size, plan)
+        self.strategy: str | None = None  # routed_experts' strategy; None: picked per call (pick_strategy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = ops.route(x, self.router.weight, self.e_score_correction_bias, self.c.top_k)
         routed = routed_experts(x, weights, experts, self.experts.gate_up, self.experts.down, self.c,
-                                self.first_expert)
+                                self.first_expert, self.strategy)
         return (routed * self.c.routed_scaling_factor + self.shared(x)).view(shape)
 
 
@@ -115,7 +116,7 @@ class Attention(nn.Module):
         widths = dict.fromkeys(p[3] for p in self._parts)  # q and k first: same-width parts adjoin
         self._groups = [[p for p in self._parts if p[3] == d] for d in widths]  # one per head width, in order
         self._split = [sum(n * w for _, _, n, w in g) for g in self._groups] + [self.nkv * c.head_dim]  # + v
-        self._fused, self._fused_ptrs = None, []
+        self._fused, self._fused_ptrs, self._fixed = None, [], False
 
     def _in_proj(self) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
         """This layer's input projections as one weight: rows ``[q; k; (index q; index k;) v]``, so a step runs one
@@ -126,7 +127,8 @@ class Attention(nn.Module):
         is no longer such a view (after ``.to()``, ``load_state_dict(assign=True)``, ...), so an in-place update
         stays visible and no weight is held twice. The norm weights (a few hundred numbers) are rebuilt each call."""
         lins = [p[0] for p in self._parts] + [self.v_proj]
-        if self._fused is None or any(lin.weight.data_ptr() != ptr for lin, ptr in zip(lins, self._fused_ptrs)):
+        if self._fused is None or not self._fixed and any(lin.weight.data_ptr() != ptr
+                                                          for lin, ptr in zip(lins, self._fused_ptrs)):
             with torch.inference_mode(False), torch.no_grad():
                 fused, start = torch.cat([lin.weight for lin in lins]), 0
                 for lin in lins:
@@ -136,6 +138,12 @@ class Attention(nn.Module):
             self._fused, self._fused_ptrs = fused, [lin.weight.data_ptr() for lin in lins]
         norms = [torch.cat([norm.weight.expand(n, d) for _, norm, n, d in g]) for g in self._groups]
         return self._fused, norms, self._split
+
+    def fix_projections(self) -> None:
+        """Build the one input-projection weight now and stop checking it for replaced weights (a model whose weights
+        no longer change, captured by ``torch.compile``: the check reads data pointers, which a graph cannot)."""
+        self._in_proj()
+        self._fixed = True
 
     def _rotary_heads(self, x, rope) -> list[torch.Tensor]:
         """q, k, (sparse layers) the index q, k and v, ``[B, n, S, d]`` each: projected by one matmul, then q, k and

@@ -27,9 +27,10 @@ from torch import nn
 from ..config.m3 import M3Config
 from ..errors import ServingError
 from ..reference.loader import load_model
+from ..reference.moe import grouped_mm_available
 from ..reference.parallel import ShardPlan
 from .contract import KVSpec, LayerSpec, Layout, attention_spec, check_serving, index_spec
-from .paged_cache import PagedCache, Step
+from .paged_cache import PagedCache
 
 
 def _tp_group() -> tuple[int, int, object]:
@@ -107,6 +108,16 @@ class MiniMaxM3ForCausalLM(nn.Module):
         path = resolve(checkpoint_path, cache_dir)
         self.m3 = load_model(path, device=device or "cpu", dtype=self.layout.dtype, config=self.config,
                              plan=self.plan)
+        # the MoE's formulation fixed here, outside any graph (torch.compile captures the forward whole): grouped
+        # matmuls where the device runs them in bf16 (the only dtype torch's graph capture of _grouped_mm takes), else
+        # each (token, slot) row with its expert's weights gathered
+        grouped = self.layout.dtype == torch.bfloat16 and grouped_mm_available(torch.device(device or "cpu"),
+                                                                               self.layout.dtype)
+        strategy = "grouped" if grouped else "gather"
+        for layer in self.m3.layers:
+            layer.attn.fix_projections()  # the weights are loaded for good: no data-pointer check in the graph
+            if hasattr(layer, "moe"):
+                layer.moe.strategy = strategy
 
     # ---- EAGLE3 target states (the plugin's SupportsEagle3 hooks) -------------------------------------------------
     def set_aux_hidden_state_layers(self, layers) -> None:
@@ -120,7 +131,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         return (2, n // 2, n - 3)
 
     # ---- forward ------------------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: AOTAutograd fails on the in-place page writes of inference tensors
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds=None, is_token_ids=None,
                 attn_metadata: dict | None = None, sampling_positions: torch.Tensor | None = None,
                 sampling_params=None, spec_decode_metadata=None, logit_mask=None, rank=None, **kw) -> torch.Tensor:
@@ -133,9 +144,9 @@ class MiniMaxM3ForCausalLM(nn.Module):
         b, t = table.shape[0], input_ids.shape[0]
         if t % b:
             raise ServingError(f"{t} tokens do not split into the block table's {b} rows")
-        self.cache.step = Step(meta["slot_mapping"].reshape(-1), table)
+        call = self.cache.call(meta["slot_mapping"].reshape(-1), table)
         ids, pos = input_ids.view(b, t // b).long(), positions.view(b, t // b).long()
-        x, kept = self.m3.backbone(ids, pos, self.cache, 0, False, self.aux_layers or None)
+        x, kept = self.m3.backbone(ids, pos, call, 0, False, self.aux_layers or None)
         x = x.reshape(t, -1)
         if sampling_positions is not None:
             x = x.index_select(0, sampling_positions.reshape(-1).long())

@@ -27,20 +27,11 @@ from ..ops.paged import Pages, write_slots
 from .contract import attention_spec, check_block_size, index_spec
 
 
-@dataclass
-class Step:
-    """What a forward call tells the caches: ``slots [T]`` (flat tokens, row-major; negative: padding) and the rows'
-    block tables ``table [B, W]``."""
-
-    slots: torch.Tensor
-    table: torch.Tensor
-
-
 class PagedCache:
-    """The bound K/V and index-key pages of every layer, and the current call's :class:`Step`."""
+    """The bound K/V and index-key pages of every layer; :meth:`call` binds one forward call's slots and tables."""
 
     def __init__(self, c: M3Config, kv_caches: dict, tile: int, dtype: torch.dtype):
-        self.config, self.tile, self.step = c, tile, None
+        self.config, self.tile = c, tile
         self.k, self.v, self.ik = {}, {}, {}
         for i in range(c.num_layers):
             names = [attention_spec(i)] + ([index_spec(i)] if c.sparse_layers[i] else [])
@@ -55,11 +46,25 @@ class PagedCache:
             if c.sparse_layers[i]:
                 self.ik[i] = tuple(kv_caches[names[1]])
 
+    def call(self, slots: torch.Tensor, table: torch.Tensor) -> Call:
+        """The caches as one forward call sees them: ``slots [T]`` (flat tokens, row-major; negative: padding) and
+        the rows' block tables ``table [B, W]`` (a new object per call, no state kept: the call is captured whole)."""
+        return Call(self, slots, table)
+
+
+@dataclass
+class Call:
+    """One forward call over the :class:`PagedCache`: what the model's layers hand their step to."""
+
+    cache: PagedCache
+    slots: torch.Tensor
+    table: torch.Tensor
+
     def attend(self, layer: int, q, k, v, iq, ik, positions: torch.Tensor, kv_len, decode, sel, paths):
         """Layer ``layer``'s attention ``[B, Hq, S, D]`` for ``S`` tokens per row at ``positions [B, S]``: write the
-        call's K, V (and index keys) at the step's slots, then attend over the pages (``kv_len``, ``decode`` and
-        ``paths`` are the contiguous cache's; pages need neither)."""
-        step = self.step
+        call's K, V (and index keys) at its slots, then attend over the pages (``kv_len``, ``decode`` and ``paths``
+        are the contiguous cache's; pages need neither)."""
+        step, self = self, self.cache
         b, h, s, d = k.shape
         write_slots(self.k[layer], k.transpose(1, 2).reshape(b * s, h, d), step.slots)
         write_slots(self.v[layer], v.transpose(1, 2).reshape(b * s, h, d), step.slots)
