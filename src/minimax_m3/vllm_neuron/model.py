@@ -108,16 +108,20 @@ class MiniMaxM3ForCausalLM(nn.Module):
         path = resolve(checkpoint_path, cache_dir)
         self.m3 = load_model(path, device=device or "cpu", dtype=self.layout.dtype, config=self.config,
                              plan=self.plan)
-        # the MoE's formulation fixed here, outside any graph (torch.compile captures the forward whole): grouped
-        # matmuls where the device runs them in bf16 (the only dtype torch's graph capture of _grouped_mm takes), else
-        # each (token, slot) row with its expert's weights gathered
-        grouped = self.layout.dtype == torch.bfloat16 and grouped_mm_available(torch.device(device or "cpu"),
+        self.fix_for_capture(device or "cpu")
+
+    def fix_for_capture(self, device) -> None:
+        """The choices a captured forward cannot make, made once the weights are in (outside any graph: the plugin's
+        ``torch.compile`` captures the forward whole): the MoE's formulation — grouped matmuls where the device runs
+        them in bf16 (the only dtype torch's capture of ``_grouped_mm`` takes), else each (token, slot) row with its
+        expert's weights gathered, never the host-side loop — and the fused input projections (no data-pointer check
+        in the graph)."""
+        grouped = self.layout.dtype == torch.bfloat16 and grouped_mm_available(torch.device(device),
                                                                                self.layout.dtype)
-        strategy = "grouped" if grouped else "gather"
         for layer in self.m3.layers:
-            layer.attn.fix_projections()  # the weights are loaded for good: no data-pointer check in the graph
+            layer.attn.fix_projections()
             if hasattr(layer, "moe"):
-                layer.moe.strategy = strategy
+                layer.moe.strategy = "grouped" if grouped else "gather"
 
     # ---- EAGLE3 target states (the plugin's SupportsEagle3 hooks) -------------------------------------------------
     def set_aux_hidden_state_layers(self, layers) -> None:

@@ -1,0 +1,131 @@
+"""What ``torch.compile`` captures of the vLLM Neuron model, bucket by bucket, before anyone compiles on a trn2.
+
+The plugin compiles the forward with ``torch.compile(fullgraph=True)``, one graph per bucket at warm-up, and makes a
+recompile afterwards an error (``docs/notes/vllm_neuron_runner.md``, "Buckets"). :func:`capture` does the same with a
+backend that only records the FX graph Dynamo hands it: a graph break fails at once (``fullgraph``) with the op and
+the source line Dynamo names; then the bucket is called again with other contents — positions, prompt lengths,
+block tables, slots — under ``fail_on_recompile``, so a guard on any value fails too.
+
+:func:`rank_model` builds one rank's model at any width (random weights, the reference layers' per-rank shapes) with
+its collectives on a process group that need not exist (torch's ``fake`` backend): the captured graph is that rank's,
+the collectives in it as ``_c10d_functional`` ops — what ``compile --dry-run`` gives for the NxDI port.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config.m3 import M3Config
+from ..errors import M3Error
+from ..reference.model import M3Model
+from .contract import Layout, attention_spec
+from .model import MiniMaxM3ForCausalLM
+
+
+class CaptureError(M3Error, RuntimeError):
+    """The model does not capture as the plugin compiles it: a graph break, or a recompile within a bucket."""
+
+    def __init__(self, problems):
+        super().__init__(problems, "the vLLM Neuron model does not capture whole:")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One compiled shape: ``prefill`` (one request, ``tokens`` padded, a block table ``width`` wide) or ``decode``
+    (``batch`` rows of ``tokens`` each, 1 or 1 + drafts)."""
+
+    kind: str
+    tokens: int
+    width: int
+    batch: int = 1
+
+
+@dataclass
+class Capture:
+    bucket: Bucket
+    graphs: list = field(default_factory=list)  # FX GraphModules, one per compilation (one when whole)
+
+    def ops(self) -> dict[str, int]:
+        """``{op: count}`` of the captured graph's calls."""
+        out: dict[str, int] = {}
+        for gm in self.graphs:
+            for node in gm.graph.nodes:
+                if node.op == "call_function":
+                    name = getattr(node.target, "__name__", str(node.target))
+                    out[name] = out.get(name, 0) + 1
+        return out
+
+    def collectives(self) -> dict[str, int]:
+        return {k: v for k, v in self.ops().items() if k in ("all_reduce", "all_gather_into_tensor",
+                                                             "reduce_scatter_tensor", "all_to_all_single")}
+
+
+def inputs(model: MiniMaxM3ForCausalLM, b: Bucket, start: int = 0, seed: int = 0) -> dict:
+    """The forward's arguments for bucket ``b``, laid out as the runner lays them out: flat ``input_ids`` (int32) and
+    ``positions``, one ``attn_metadata`` dict under every layer's name (slots from the block table, padding 0),
+    ``sampling_positions`` at each row's last token. ``start``: the first position (a prefill segment after cached
+    tokens, or each decode row's position); ``seed`` shuffles the pages (other block tables, same shapes)."""
+    c = model.config
+    bs, rows = c.index_block_size, b.batch if b.kind == "decode" else 1
+    gen = torch.Generator().manual_seed(seed)
+    pages = torch.randperm(rows * b.width, generator=gen).view(rows, b.width) + 1  # page 0: the null page
+    per = b.tokens
+    pos = torch.arange(per).view(1, per) + start + torch.arange(rows).view(rows, 1) * (seed % 3)
+    slots = pages.gather(1, pos // bs) * bs + pos % bs
+    md = {"slot_mapping": slots.reshape(-1), "block_table_tensor": pages.to(torch.int32), "block_size": bs,
+          "max_query_len": per, "decode_token_threshold": per if b.kind == "decode" else 1}
+    return dict(input_ids=torch.randint(3, c.vocab_size, (rows * per,), generator=gen, dtype=torch.int32),
+                positions=pos.reshape(-1), attn_metadata={attention_spec(i): md for i in range(c.num_layers)},
+                sampling_positions=torch.arange(rows) * per + per - 1)
+
+
+def capture(model: MiniMaxM3ForCausalLM, b: Bucket, starts: tuple[int, ...] = (0,)) -> Capture:
+    """Capture bucket ``b`` with ``fullgraph=True, dynamic=False``; then run it from each of ``starts`` with other
+    page tables under ``fail_on_recompile``. Raises :class:`CaptureError` naming the op and line on a break or a
+    recompile."""
+    import torch._dynamo
+
+    cap = Capture(b)
+
+    def record(gm, example_inputs):
+        cap.graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(model.forward, backend=record, fullgraph=True, dynamic=False)
+    try:
+        fn(**inputs(model, b))
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for i, s in enumerate(starts):
+                fn(**inputs(model, b, start=s, seed=i + 1))
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.RecompileError, torch._dynamo.exc.UserError) as e:
+        raise CaptureError([f"{b}: {type(e).__name__}: {str(e).strip()}"]) from None
+    return cap
+
+
+def rank_model(c: M3Config, world: int = 1, rank: int = 0, ep: int = 1, dtype=torch.bfloat16,
+               num_blocks: int = 64) -> MiniMaxM3ForCausalLM:
+    """Rank ``rank`` of ``world`` with random weights at the per-rank shapes, its pages bound (``num_blocks`` of the
+    index block), the load-time choices of :meth:`MiniMaxM3ForCausalLM.load_weights` made. ``world > 1`` joins (once)
+    torch's ``fake`` process group of that size: collectives are captured, never run."""
+    group = None
+    if world > 1:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if not dist.is_initialized():
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        group = dist.group.WORLD
+    model = MiniMaxM3ForCausalLM(c, Layout(world=world, rank=rank, ep=ep, dtype=dtype, group=group))
+    torch.manual_seed(0)
+    m3 = M3Model(c, model.plan)
+    for p in m3.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    model.m3 = m3.to(dtype)
+    model.fix_for_capture("cpu")
+    caches = {s.name: [torch.zeros(num_blocks, s.num_kv_heads, c.index_block_size, s.head_size, dtype=dtype)
+                       for _ in range(2)] for s in model.get_kv_spec().layers}
+    model.bind_kv_cache(caches)
+    return model
