@@ -18,7 +18,12 @@ TINY = M3Config.preset("tiny")  # 16-token blocks, top-2: a 64-block table selec
 
 @pytest.fixture(scope="module")
 def rank0():
-    return rank_model(TINY, world=2, rank=0, ep=2, dtype=torch.float32, num_blocks=96)
+    """Rank 0 of TP 2 on torch's fake process group, torn down after this module (the suite shares the process)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "another test left a process group behind"
+    yield rank_model(TINY, world=2, rank=0, ep=2, dtype=torch.float32, num_blocks=96)
+    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("bucket, starts", [
