@@ -54,10 +54,12 @@ def test_without_the_neuron_sdk_registers_nothing():
 
 def test_entry_point_names_the_register_function():
     eps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert eps["vllm.general_plugins"] == {"minimax_m3": "minimax_m3.neuron.vllm.plugin:register"}
+    assert eps["vllm.general_plugins"] == {"minimax_m3": "minimax_m3.neuron.vllm.plugin:register",
+                                           "minimax_m3_vllm_neuron": "minimax_m3.vllm_neuron.plugin:register"}
     from minimax_m3.neuron.vllm import plugin as vllm_plugin
+    from minimax_m3.vllm_neuron import plugin as vllm_neuron_plugin
 
-    assert callable(vllm_plugin.register)
+    assert callable(vllm_plugin.register) and callable(vllm_neuron_plugin.register)
 
 
 def test_kv_connector_and_kv_offloading_are_one_error_naming_the_flag():
