@@ -52,3 +52,17 @@ def test_a_graph_break_is_named_with_its_line(rank0, monkeypatch):
     monkeypatch.setattr(layer.shared, "forward", host_read)
     with pytest.raises(CaptureError, match=r"(?s)Tensor.item\(\).*test_capture.py.*x.sum\(\).item\(\)"):
         capture(rank0, Bucket("decode", 1, 16, batch=1))
+
+
+def test_stablehlo_of_a_prefill_segment_and_a_decode_step():
+    """torch.export → torch-mlir → StableHLO, the module neuronx-cc receives on the plugin's native route: the
+    whole forward lowers (matmuls as dot_general, the page writes as scatter, the selected pages as gather)."""
+    pytest.importorskip("torch_mlir", reason="torch-mlir is not installed here (scripts/test_vllm_neuron_offdevice.sh)")
+    from minimax_m3.vllm_neuron.capture import stablehlo
+
+    model = rank_model(TINY, dtype=torch.float32, num_blocks=40)
+    for bucket in (Bucket("prefill", 64, 16), Bucket("decode", 1, 16, batch=2)):
+        text = stablehlo(model, bucket)
+        assert "func.func @main" in text
+        assert text.count("stablehlo.dot_general") >= 4 * TINY.num_layers
+        assert "stablehlo.scatter" in text and "stablehlo.gather" in text

@@ -7,16 +7,17 @@ from .mlp import swiglu_oai
 
 
 def route(
-    x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int
+    x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int, ordered: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts per token. Returns ``(weights [T, k] float32, experts [T, k] int64)``.
 
     Scores are ``sigmoid(x @ W^T)`` in float32; ``correction_bias`` only decides *which* experts win; the
-    weights are the winners' plain scores renormalised to sum to 1.
+    weights are the winners' plain scores renormalised to sum to 1. ``ordered``: the k experts by descending score
+    (``torch.topk(sorted=True)``: torch-mlir lowers only that to StableHLO), else in the order the top-k op gives.
     """
     logits = F.linear(x.float(), router_weight.float())
     scores = torch.sigmoid(logits)
-    _, experts = torch.topk(scores + correction_bias.float(), top_k, dim=-1, sorted=False)
+    _, experts = torch.topk(scores + correction_bias.float(), top_k, dim=-1, sorted=ordered)
     weights = scores.gather(-1, experts)
     return weights / weights.sum(dim=-1, keepdim=True), experts
 

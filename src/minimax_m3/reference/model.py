@@ -80,11 +80,12 @@ class MoE(nn.Module):
         self.experts = Experts(c, plan)
         self.shared = DenseMLP(c, c.shared_intermediate_size, plan)
         self.strategy: str | None = None  # routed_experts' strategy; None: picked per call (pick_strategy)
+        self.ordered = False  # ops.route's experts by descending score (the vLLM Neuron model's, for StableHLO)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, experts = ops.route(x, self.router.weight, self.e_score_correction_bias, self.c.top_k)
+        weights, experts = ops.route(x, self.router.weight, self.e_score_correction_bias, self.c.top_k, self.ordered)
         routed = routed_experts(x, weights, experts, self.experts.gate_up, self.experts.down, self.c,
                                 self.first_expert, self.strategy)
         return (routed * self.c.routed_scaling_factor + self.shared(x)).view(shape)

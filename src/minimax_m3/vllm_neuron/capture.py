@@ -129,3 +129,45 @@ def rank_model(c: M3Config, world: int = 1, rank: int = 0, ep: int = 1, dtype=to
                        for _ in range(2)] for s in model.get_kv_spec().layers}
     model.bind_kv_cache(caches)
     return model
+
+
+def stablehlo(model: MiniMaxM3ForCausalLM, b: Bucket) -> str:
+    """Bucket ``b``'s forward as StableHLO text, the module neuronx-cc receives on the plugin's native route
+    (``torch.export`` → torch-mlir → StableHLO). The pages become explicit arguments (the graph writes them in
+    place), after the forward's own; needs ``torch-mlir``."""
+    from torch_mlir import fx
+
+    specs = [s.name for s in model.get_kv_spec().layers]
+    cache = model.cache
+    pages = [t for i in range(model.config.num_layers)
+             for t in ((cache.k[i], cache.v[i]) + (cache.ik[i] if i in cache.ik else ()))]
+    args = inputs(model, b)
+    md = args["attn_metadata"][attention_spec(0)]
+
+    class Forward(torch.nn.Module):  # the forward with its pages as arguments
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, positions, slots, table, sampling_positions, *tensors):
+            it = iter(tensors)
+            model.bind_kv_cache({name: [next(it), next(it)] for name in specs})
+            meta = {attention_spec(i): dict(md, slot_mapping=slots, block_table_tensor=table)
+                    for i in range(model.config.num_layers)}
+            return model.forward(input_ids, positions, attn_metadata=meta, sampling_positions=sampling_positions)
+
+    m3 = model.m3
+    inv = m3.inv_freq  # a non-persistent buffer torch-mlir cannot map: persistent while exported
+    m3.register_buffer("inv_freq", inv, persistent=True)
+    try:
+        module = fx.export_and_import(Forward(), args["input_ids"], args["positions"], md["slot_mapping"],
+                                      md["block_table_tensor"], args["sampling_positions"], *pages,
+                                      output_type="stablehlo", func_name="main")
+    finally:
+        m3.register_buffer("inv_freq", inv, persistent=False)
+        model.bind_kv_cache({name: list(pair) for name, pair in zip(specs, _pairs(pages))})
+    return str(module)
+
+
+def _pairs(pages: list) -> list:
+    return [pages[i:i + 2] for i in range(0, len(pages), 2)]

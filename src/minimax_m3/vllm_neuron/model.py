@@ -114,14 +114,15 @@ class MiniMaxM3ForCausalLM(nn.Module):
         """The choices a captured forward cannot make, made once the weights are in (outside any graph: the plugin's
         ``torch.compile`` captures the forward whole): the MoE's formulation — grouped matmuls where the device runs
         them in bf16 (the only dtype torch's capture of ``_grouped_mm`` takes), else each (token, slot) row with its
-        expert's weights gathered, never the host-side loop — and the fused input projections (no data-pointer check
-        in the graph)."""
+        expert's weights gathered, never the host-side loop — its router's experts by descending score (the top-k
+        torch-mlir lowers to StableHLO) — and the fused input projections (no data-pointer check in the graph)."""
         grouped = self.layout.dtype == torch.bfloat16 and grouped_mm_available(torch.device(device),
                                                                                self.layout.dtype)
         for layer in self.m3.layers:
             layer.attn.fix_projections()
             if hasattr(layer, "moe"):
                 layer.moe.strategy = "grouped" if grouped else "gather"
+                layer.moe.ordered = True
 
     # ---- EAGLE3 target states (the plugin's SupportsEagle3 hooks) -------------------------------------------------
     def set_aux_hidden_state_layers(self, layers) -> None:
