@@ -50,7 +50,9 @@ def test_a_graph_break_is_named_with_its_line(rank0, monkeypatch):
         return x
 
     monkeypatch.setattr(layer.shared, "forward", host_read)
-    with pytest.raises(CaptureError, match=r"(?s)Tensor.item\(\).*test_capture.py.*x.sum\(\).item\(\)"):
+    # Dynamo stops at the .item() (a graph break) or, where scalar outputs are captured (seen in the vLLM 0.24
+    # environment), at the branch on its value (a data-dependent guard): either way the error names this line
+    with pytest.raises(CaptureError, match=r"(?s)item\(\).*test_capture.py.*x.sum\(\).item\(\)"):
         capture(rank0, Bucket("decode", 1, 16, batch=1))
 
 
