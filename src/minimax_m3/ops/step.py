@@ -221,19 +221,15 @@ def _sparse(q, k, v, act: Active | None, q_pos, start, blocks, block_size: int, 
     key_pos = ((ids * block_size).unsqueeze(-1) + torch.arange(per, device=q.device) * group
                + rank_index(rank, q.device)).view(b, h, t, kk * per)
     qg = q.reshape(b, h, r, t, d).transpose(2, 3)  # [B, H, T, r, D]: the heads share the gather
-    if k is None:  # every selected block from the call's own keys (a call from position 0 on a block boundary)
-        nact = -(-act.k.shape[2] // per)
-        kg, vg = _gather(_by_block(act.k, per), ids.clamp(max=nact - 1), nact), \
-            _gather(_by_block(act.v, per), ids.clamp(max=nact - 1), nact)
+    if k is None or act is None:  # every selected block from one table: the call's own keys (a call from position 0
+        # on a block boundary) or the caches (which already hold the call's keys); each query's keys up to itself
+        if act is None:
+            tk, tv, n = k, v, k.shape[2] // per
+        else:
+            tk, tv, n = _by_block(act.k, per), _by_block(act.v, per), -(-act.k.shape[2] // per)
+        kg, vg = _gather(tk, ids.clamp(max=n - 1), n), _gather(tv, ids.clamp(max=n - 1), n)
         keep = (blocks >= 0).repeat_interleave(per, dim=-1) & (key_pos <= q_pos.view(b, 1, t, 1))
         scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [B, H, T, r, K * per]
-        p, top, total = partial_softmax(scores, keep.unsqueeze(3).expand_as(scores))
-        out = torch.matmul(p.to(vg.dtype), vg)
-    elif act is None:  # every selected block from the caches, each query's keys up to its own position
-        nblk = k.shape[2] // per
-        kg, vg = _gather(k, ids.clamp(max=nblk - 1), nblk), _gather(v, ids.clamp(max=nblk - 1), nblk)
-        keep = (blocks >= 0).repeat_interleave(per, dim=-1) & (key_pos <= q_pos.view(b, 1, t, 1))
-        scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale
         p, top, total = partial_softmax(scores, keep.unsqueeze(3).expand_as(scores))
         out = torch.matmul(p.to(vg.dtype), vg)
     else:  # the prior's selected blocks, plus the call's own keys where their block is selected

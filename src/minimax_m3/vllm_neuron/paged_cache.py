@@ -64,18 +64,18 @@ class Call:
         """Layer ``layer``'s attention ``[B, Hq, S, D]`` for ``S`` tokens per row at ``positions [B, S]``: write the
         call's K, V (and index keys) at its slots, then attend over the pages (``kv_len``, ``decode`` and ``paths``
         are the contiguous cache's; pages need neither)."""
-        step, self = self, self.cache
+        cache = self.cache
         b, h, s, d = k.shape
-        write_slots(self.k[layer], k.transpose(1, 2).reshape(b * s, h, d), step.slots)
-        write_slots(self.v[layer], v.transpose(1, 2).reshape(b * s, h, d), step.slots)
+        write_slots(cache.k[layer], k.transpose(1, 2).reshape(b * s, h, d), self.slots)
+        write_slots(cache.v[layer], v.transpose(1, 2).reshape(b * s, h, d), self.slots)
         ik_line = None
         if sel is not None:
-            lo, hi = self.ik[layer]
+            lo, hi = cache.ik[layer]
             half = ik.shape[-1] // 2
-            write_slots(lo, ik[..., :half].reshape(b * s, 1, half), step.slots)
-            write_slots(hi, ik[..., half:].reshape(b * s, 1, half), step.slots)
-            ik_line = torch.cat([Pages(lo, step.table).lines()[:, 0], Pages(hi, step.table).lines()[:, 0]], dim=-1)
+            write_slots(lo, ik[..., :half].reshape(b * s, 1, half), self.slots)
+            write_slots(hi, ik[..., half:].reshape(b * s, 1, half), self.slots)
+            ik_line = torch.cat([Pages(lo, self.table).lines()[:, 0], Pages(hi, self.table).lines()[:, 0]], dim=-1)
         q_pos = positions.to(torch.int64)
-        return ops.attention_step(q, Pages(self.k[layer], step.table), Pages(self.v[layer], step.table), None,
-                                  q_pos, q_pos[:, 0], 0, ops.Alone(), self.config.softmax_scale, sel, iq, ik_line,
-                                  tile=self.tile)
+        return ops.attention_step(q, Pages(cache.k[layer], self.table), Pages(cache.v[layer], self.table), None,
+                                  q_pos, q_pos[:, 0], 0, ops.Alone(), cache.config.softmax_scale, sel, iq, ik_line,
+                                  tile=cache.tile)
