@@ -1,4 +1,5 @@
-"""``minimax-m3 plan``: the plan of one layout at ``--batch`` / ``--seq``, the sharded layout's collectives, both
+"""``minimax-m3 plan``: the plan of one layout at ``--batch`` / ``--seq`` (its decode ITL estimate, plain and with a
+fused EAGLE3 step, at ``--collective-latency-us`` per collective), the sharded layout's collectives, both
 layouts side by side for contexts 4K..1M, the largest context and batch that fit, and with ``--speculative K`` the
 projection of speculative decoding (tokens/s per sequence, batch 1-32, acceptance 1.5-3.5)."""
 
@@ -6,17 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from ..config import parallel
 from ..config.draft import DraftConfig, parse_draft_config
 from ..config.m3 import M3Config
-from .cost import COLLECTIVE_LATENCY_S, HBM_BYTES_PER_S, PEAK_FLOPS_PER_S, collectives, decode_floor_ms, \
-    link_seconds, ttft
+from .cost import COLLECTIVE_LATENCY_S, HBM_BYTES_PER_S, PEAK_FLOPS_PER_S, Itl, collectives, decode_floor_ms, \
+    decode_itl, link_seconds, ttft
 from .fit import largest_batch, largest_context
 from .memory import GIB, HBM_PER_RANK_GIB, LAYOUTS, ChunkError, MemoryPlan, PlanError, cache_tokens, plan, \
     weight_bytes
-from .speculative import M3_DRAFT, format_projection, project
+from .speculative import ITL_ACCEPTANCE, ITL_K, M3_DRAFT, format_projection, fused_itl, project
 
 CONTEXTS = (4096, 32768, 131072, 524288, 1048576)
 
@@ -32,17 +34,44 @@ def _ctx(n: int) -> str:
     return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}K" if n % 1024 == 0 else str(n)
 
 
-def format_ttft(c: M3Config, p: MemoryPlan) -> str:
-    t = ttft(c, p.tp, p.ep, p.seq, p.layout, p.chunk if p.layout == "sharded" else None, p.weights, p.kv_dtype)
+def _us(latency_s: float) -> str:
+    return f"{latency_s * 1e6:g} us"
+
+
+def format_ttft(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY_S) -> str:
+    t = ttft(c, p.tp, p.ep, p.seq, p.layout, p.chunk if p.layout == "sharded" else None, p.weights, p.kv_dtype,
+             latency_s)
     calls = (f"{t.calls} call{'s' if t.calls > 1 else ''} of {t.chunk} tokens" if p.layout == "sharded" else
              f"one call of {t.chunk} tokens")
     return (f"TTFT estimate, a {p.seq}-token prompt: {t.total_s:.2f} s ({calls}; summed FLOP {t.flop_s:.2f} s at "
             f"{PEAK_FLOPS_PER_S / 1e12:.0f} TFLOP/s, HBM {t.hbm_s:.2f} s, link {t.link_s:.2f} s; the larger per call: "
-            f"{t.bound_s:.2f} s; + {t.collectives} collectives x {COLLECTIVE_LATENCY_S * 1e6:.0f} us = "
+            f"{t.bound_s:.2f} s; + {t.collectives} collectives x {_us(latency_s)} = "
             f"{t.latency_s:.2f} s)")
 
 
-def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None) -> str:
+def _itl(i: Itl, latency_s: float) -> str:
+    return (f"HBM {i.hbm_s * 1e3:.2f} ms (bytes a step must read / {HBM_BYTES_PER_S / 1e9:.0f} GB/s) + "
+            f"{i.collectives} collectives, each max({_us(latency_s)}, its link time): "
+            f"{i.collective_s * 1e3:.2f} ms")
+
+
+def format_itl(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY_S, k: int = ITL_K,
+               draft: DraftConfig = M3_DRAFT) -> list[str]:
+    """The two ``decode ITL estimate`` lines of a plan: a plain decode step (:func:`.cost.decode_itl`) and a fused
+    EAGLE3 step of ``k`` drafts at mean acceptance :data:`.speculative.ITL_ACCEPTANCE` (:func:`.speculative.fused_itl`),
+    per step and per token."""
+    plain = decode_itl(c, p.tp, p.ep, p.batch, cache_tokens(c, p.tp, p.seq, p.layout), p.weights, p.kv_dtype,
+                       p.layout, latency_s)
+    fused = fused_itl(c, p.tp, p.ep, p.batch, p.seq, k, p.weights, p.kv_dtype, draft, p.layout, latency_s)
+    at = f"at batch {p.batch}, {p.seq} tokens"
+    return [f"decode ITL estimate {at}: {plain.total_s * 1e3:.2f} ms per step = {_itl(plain, latency_s)}",
+            f"decode ITL estimate, fused EAGLE3 step (k={k}, acceptance {ITL_ACCEPTANCE}) {at}: "
+            f"{fused.total_s * 1e3:.2f} ms per step, {fused.total_s / ITL_ACCEPTANCE * 1e3:.2f} ms per token = "
+            f"{_itl(fused, latency_s)}"]
+
+
+def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None,
+                latency_s: float = COLLECTIVE_LATENCY_S, k: int = ITL_K, draft: DraftConfig = M3_DRAFT) -> str:
     gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
     lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={parallel.moe_tp(p.tp, p.ep)}), batch={p.batch}, seq={p.seq}, "
              f"prefill batch={p.ctx_batch}, weights {p.weights}, KV {p.kv_dtype}, {p.layout} caches; per rank:"]
@@ -61,18 +90,14 @@ def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None)
     free = p.hbm_bytes - p.total_bytes
     verdict = "FITS" if p.fits else "DOES NOT FIT"
     lines.append(f"{verdict}: {'headroom' if p.fits else 'short by'} {abs(free) / GIB:.2f} GiB")
-    floor = decode_floor_ms(c, p.tp, p.ep, p.batch, cache_tokens(c, p.tp, p.seq, p.layout), p.weights, p.kv_dtype,
-                            p.layout)
-    n = sum(r["count"] for r in collectives(c, p.tp, p.ep, p.batch, p.layout))
-    lines.append(f"decode HBM floor at batch {p.batch}, {p.seq} tokens: {floor:.2f} ms per step "
-                 f"(bytes a step must read / {HBM_BYTES_PER_S / 1e9:.0f} GB/s); not in it: {n} collectives x "
-                 f"{COLLECTIVE_LATENCY_S * 1e6:.0f} us = {n * COLLECTIVE_LATENCY_S * 1e3:.2f} ms")
-    lines.append(format_ttft(c, p))
+    lines += format_itl(c, p, latency_s, k, draft)
+    lines.append(format_ttft(c, p, latency_s))
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
 
 
-def format_collectives(c: M3Config, tp: int, ep: int, batch: int, chunk: int) -> str:
+def format_collectives(c: M3Config, tp: int, ep: int, batch: int, chunk: int, latency_s: float = COLLECTIVE_LATENCY_S
+                       ) -> str:
     """The sharded layout's collectives per pass: a decode step at ``batch`` and one prefill call of ``chunk``."""
     dec = collectives(c, tp, ep, batch, "sharded")
     pre = collectives(c, tp, ep, chunk, "sharded", logit_rows=1, phase="prefill")
@@ -89,24 +114,25 @@ def format_collectives(c: M3Config, tp: int, ep: int, batch: int, chunk: int) ->
     for what, rows in (("decode step", dec), ("prefill call", pre), ("decode step, replicated layout", rep)):
         n = sum(r["count"] for r in rows)
         link = sum(link_seconds(r) * r["count"] for r in rows)
-        lines.append(f"  per {what}: {n} collectives, {n * COLLECTIVE_LATENCY_S * 1e3:.2f} ms at "
-                     f"{COLLECTIVE_LATENCY_S * 1e6:.0f} us each, link time {link * 1e3:.2f} ms")
+        lines.append(f"  per {what}: {n} collectives, {n * latency_s * 1e3:.2f} ms at {_us(latency_s)} each, link "
+                     f"time {link * 1e3:.2f} ms")
     return "\n".join(lines)
 
 
-def _cells(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, layout: str, chunk: int | None) -> str:
+def _cells(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, layout: str, chunk: int | None,
+           latency_s: float) -> str:
     try:
         p = plan(c, tp, ep, batch, seq, layout=layout, chunk=chunk, **kw)
     except ChunkError:
         return f"{'chunk > context':>38}"
     floor = decode_floor_ms(c, tp, ep, batch, cache_tokens(c, tp, seq, layout), p.weights, p.kv_dtype, layout)
-    t = ttft(c, tp, ep, seq, layout, p.chunk if layout == "sharded" else None, p.weights, p.kv_dtype)
+    t = ttft(c, tp, ep, seq, layout, p.chunk if layout == "sharded" else None, p.weights, p.kv_dtype, latency_s)
     head = f"{p.chunk:>6} " if layout == "sharded" else ""
     return f"{head}{p.total_bytes / GIB:7.2f} {'yes' if p.fits else 'no':>4} {floor:9.2f} {t.total_s:8.2f}"
 
 
 def format_table(c: M3Config, tp: int, ep: int, batch: int, kw: dict, chunk: int | None = None,
-                 contexts: tuple[int, ...] = CONTEXTS) -> str:
+                 contexts: tuple[int, ...] = CONTEXTS, latency_s: float = COLLECTIVE_LATENCY_S) -> str:
     """Both layouts side by side per context: total GiB, fits, decode floor (ms), TTFT (s, prompt = context)."""
     g = tp // c.num_kv_heads if tp > c.num_kv_heads else 1
     lines = [f"batch {batch}, tp {tp} / ep {ep}, {kw.get('weights', 'bf16')} experts, KV {kw.get('kv_dtype', 'bf16')}"
@@ -115,8 +141,8 @@ def format_table(c: M3Config, tp: int, ep: int, batch: int, kw: dict, chunk: int
              f"{'context':>8} | {'GiB':>7} {'fits':>4} {'decode ms':>9} {'TTFT s':>8} | {'chunk':>6} {'GiB':>7} "
              f"{'fits':>4} {'decode ms':>9} {'TTFT s':>8}"]
     for s in contexts:
-        lines.append(f"{_ctx(s):>8} | {_cells(c, tp, ep, batch, s, kw, 'replicated', None)} | "
-                     f"{_cells(c, tp, ep, batch, s, kw, 'sharded', chunk)}")
+        lines.append(f"{_ctx(s):>8} | {_cells(c, tp, ep, batch, s, kw, 'replicated', None, latency_s)} | "
+                     f"{_cells(c, tp, ep, batch, s, kw, 'sharded', chunk, latency_s)}")
     return "\n".join(lines)
 
 
@@ -153,9 +179,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reserve-gib", type=float, default=3.0, help="runtime/scratchpad reserve (default 3)")
     ap.add_argument("--hbm-gib", type=float, default=HBM_PER_RANK_GIB, help="HBM per rank (default 24)")
     ap.add_argument("--config", default=None, help="config.json or checkpoint folder (default: the M3 release)")
+    ap.add_argument("--collective-latency-us", default=None, metavar="US",
+                    help="fixed latency per collective in microseconds, >= 0, for the decode ITL estimate (where a "
+                         "collective's link time is larger, that), the TTFT estimate and the speculative projection "
+                         f"(default {COLLECTIVE_LATENCY_S * 1e6:g}: planner/cost.py's assumption)")
     ap.add_argument("--speculative", type=int, default=None, metavar="K",
                     help="also project speculative decoding with K drafts per step: tokens/s per sequence at batch "
-                         "1-32 for acceptance lengths 1.5-3.5 against plain decode (planner/speculative.py)")
+                         "1-32 for acceptance lengths 1.5-3.5 against plain decode (planner/speculative.py); the "
+                         f"fused step's ITL estimate takes K too (default {ITL_K})")
     ap.add_argument("--draft", default=None, help="--speculative: the EAGLE3 draft checkpoint (or its config.json) "
                                                   "whose size to count (default: an assumed M3 draft)")
 
@@ -173,24 +204,41 @@ def _draft(path: str | None) -> DraftConfig:
     return dc
 
 
+def latency_seconds(us: str | float | None) -> float:
+    """``--collective-latency-us`` in seconds (None: ``COLLECTIVE_LATENCY_S``): a finite number >= 0, else one
+    :class:`PlanError` naming the option."""
+    if us is None:
+        return COLLECTIVE_LATENCY_S
+    try:
+        s = float(us) * 1e-6
+    except (TypeError, ValueError):
+        s = math.nan
+    if not (math.isfinite(s) and s >= 0):
+        raise PlanError(f"--collective-latency-us {us!r}: expected a latency in microseconds, a number >= 0")
+    return s
+
+
 def run(args: argparse.Namespace) -> int:
     c = M3Config.from_pretrained(args.config) if args.config else M3Config.preset("m3")
     kw = dict(weights=args.weights, kv_dtype=args.kv_dtype, reserve_gib=args.reserve_gib, hbm_gib=args.hbm_gib)
     try:
+        lat = latency_seconds(args.collective_latency_us)
+        draft = _draft(args.draft)
         sharded_chunk = plan(c, args.tp, args.ep, args.batch, args.seq, layout="sharded", chunk=args.chunk,
                              **kw).chunk
         p = plan(c, args.tp, args.ep, args.batch, args.seq, ctx_batch=args.ctx_batch, layout=args.layout,
                  chunk=sharded_chunk if args.layout == "sharded" else None, **kw)
-        print(format_plan(p, c, weight_bytes(c, args.tp, args.ep, args.weights)[1]))
+        print(format_plan(p, c, weight_bytes(c, args.tp, args.ep, args.weights)[1], lat, args.speculative or ITL_K,
+                          draft))
         print()
-        print(format_collectives(c, args.tp, args.ep, args.batch, sharded_chunk))
+        print(format_collectives(c, args.tp, args.ep, args.batch, sharded_chunk, lat))
         print()
-        print(format_table(c, args.tp, args.ep, args.batch, kw, args.chunk))
+        print(format_table(c, args.tp, args.ep, args.batch, kw, args.chunk, latency_s=lat))
         print(format_largest(c, args.tp, args.ep, args.batch, args.seq, kw, args.chunk))
         if args.speculative:
             print()
-            rows = project(c, args.tp, args.ep, args.seq, args.speculative, args.weights, args.kv_dtype,
-                           _draft(args.draft))
+            rows = project(c, args.tp, args.ep, args.seq, args.speculative, args.weights, args.kv_dtype, draft,
+                           latency_s=lat)
             print(format_projection(rows, args.seq, args.weights))
     except PlanError as e:
         print(f"minimax-m3 plan: {e}")

@@ -1,4 +1,5 @@
-"""Time floors per rank: the decode HBM floor, the prefill's FLOPs and bytes, the collectives, a TTFT estimate.
+"""Time floors per rank: the decode HBM floor, the decode ITL estimate, the prefill's FLOPs and bytes, the collectives,
+a TTFT estimate.
 
 Figures (trn2.48xlarge at LNC 2, one logical core = two NeuronCore-v3; ``docs/notes/perf_anchors.md``):
 
@@ -9,11 +10,13 @@ Figures (trn2.48xlarge at LNC 2, one logical core = two NeuronCore-v3; ``docs/no
   by ring algorithms: an all-gather or reduce-scatter sends ``(n - 1) / n`` of its full buffer per rank, an
   all-reduce twice that (an assumption: intra-chip hops are counted at the same rate);
 * a fixed 25 µs per collective whatever its size (§5.5 (a): 20-25 µs per collective in a DeepSeek-V3 TP 64
-  profile; an assumption to replace by ``nccom-test`` on the target).
+  profile; an assumption to replace by ``nccom-test`` on the target; ``minimax-m3 plan --collective-latency-us``
+  takes another, every function here a ``latency_s``).
 
 TTFT of a prompt of S tokens = sum over its prefill calls of max(FLOP time, HBM time, link time) (each a floor, the
 three overlapped) + collectives x 25 µs. Sharded: ceil(S / C) calls of C tokens, call k attending to the keys
-< its end; replicated: one call of S tokens. Nothing here ran on Trainium.
+< its end; replicated: one call of S tokens. The decode ITL estimate of a step (:func:`step_itl`) = its bytes / HBM
++ for each collective the larger of 25 µs and the link time of its bytes. Nothing here ran on Trainium.
 """
 
 from __future__ import annotations
@@ -90,6 +93,40 @@ def decode_floor_ms(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weig
     """The HBM floor of one token-generation step: :func:`decode_minimum_bytes` at 725 GB/s per logical core."""
     b = decode_minimum_bytes(c, tp, ep, batch, bucket, weights, kv_dtype, layout=layout)
     return sum(b.values()) / HBM_BYTES_PER_S * 1e3
+
+
+@dataclass(frozen=True)
+class Itl:
+    """A decode latency estimate of one step per rank: ``hbm_s`` = ``bytes`` / 725 GB/s, plus ``collective_s`` =
+    each of the step's ``collectives`` at the larger of the fixed latency and the link time of its bytes."""
+    bytes: int
+    hbm_s: float
+    collectives: int
+    collective_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.hbm_s + self.collective_s
+
+
+def step_itl(nbytes: int, rows: list[dict], latency_s: float = COLLECTIVE_LATENCY_S, fixed: int = 0) -> Itl:
+    """THE inter-token latency formula of a token-generation step per rank: ``nbytes`` read at
+    ``HBM_BYTES_PER_S``, then the collectives one after the other (a step cannot overlap them), each row of
+    :func:`collectives` ``count`` times ``max(latency_s, link_seconds(row))``, and ``fixed`` more collectives at
+    ``latency_s`` (those counted but not modelled as rows: buffers of a few rows, far below the latency on the link).
+    FLOP time is left out: a decode step's is a few percent of its HBM time (the speculative projection's
+    :class:`.speculative.StepCost` takes the larger)."""
+    coll = sum(r["count"] * max(latency_s, link_seconds(r)) for r in rows) + fixed * latency_s
+    return Itl(nbytes, nbytes / HBM_BYTES_PER_S, sum(r["count"] for r in rows) + fixed, coll)
+
+
+def decode_itl(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weights: str = "bf16", kv_dtype: str = "bf16",
+               layout: str = PORT_LAYOUT, latency_s: float = COLLECTIVE_LATENCY_S) -> Itl:
+    """The ITL estimate of a plain decode step at ``batch`` over caches of ``bucket`` tokens (host sampling):
+    :func:`step_itl` of :func:`decode_minimum_bytes` (the HBM floor, :func:`decode_floor_ms`) and the step's
+    :func:`collectives`."""
+    b = decode_minimum_bytes(c, tp, ep, batch, bucket, weights, kv_dtype, layout=layout)
+    return step_itl(sum(b.values()), collectives(c, tp, ep, batch, layout), latency_s)
 
 
 def _per_token_flops(c: M3Config, tp: int) -> int:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from ..config import parallel
 from ..config.draft import DraftConfig
 from ..config.m3 import M3Config
-from .cost import COLLECTIVE_LATENCY_S, PEAK_FLOPS_PER_S, _per_token_flops, collectives, decode_minimum_bytes
+from .cost import COLLECTIVE_LATENCY_S, PEAK_FLOPS_PER_S, Itl, _per_token_flops, collectives, decode_minimum_bytes, \
+    step_itl
 from .memory import BF16, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens
 
 # An assumed draft for MiniMax-M3 when none is given: the published EAGLE3 head is a one-layer Llama fed by the
@@ -47,6 +48,7 @@ from .memory import BF16, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens
 M3_DRAFT = DraftConfig(hidden_size=6144, num_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=16384,
                        vocab_size=200064, draft_vocab_size=32000, target_hidden_size=6144)
 ACCEPTANCE = (1.5, 2.0, 2.5, 3.0, 3.5)
+ITL_K, ITL_ACCEPTANCE = 3, 2.5  # the fused step of `minimax-m3 plan`'s ITL line: issue 24's k and mean acceptance
 BATCHES = (1, 2, 4, 8, 16, 32)
 # the fused graph's collectives as traced (test/hlo/test_fused_graph.py, TP 64, 2026-12-02). Per draft step: the
 # embedding all-gather, the attention and MLP all-reduces, NxD's distributed argmax (each rank's max and index,
@@ -62,15 +64,15 @@ CATCH_UP = ("fc", "k", "v", "input norm", "hidden norm")  # the draft tensors th
 
 @dataclass(frozen=True)
 class StepCost:
-    """One forward per rank: bytes read, FLOPs, collectives."""
+    """One forward per rank: bytes read, FLOPs, collectives (each at ``latency_s``)."""
     bytes: int
     flops: int
     collectives: int
+    latency_s: float = COLLECTIVE_LATENCY_S
 
     @property
     def seconds(self) -> float:
-        return max(self.bytes / HBM_BYTES_PER_S, self.flops / PEAK_FLOPS_PER_S) + self.collectives * \
-            COLLECTIVE_LATENCY_S
+        return max(self.bytes / HBM_BYTES_PER_S, self.flops / PEAK_FLOPS_PER_S) + self.collectives * self.latency_s
 
 
 def step_flops(c: M3Config, tp: int, ep: int, tokens: int, bucket: int) -> int:
@@ -88,7 +90,8 @@ def step_flops(c: M3Config, tp: int, ep: int, tokens: int, bucket: int) -> int:
 
 
 def target_step(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
-                layout: str = PORT_LAYOUT, tokens: int = 1, sampler: bool = False) -> StepCost:
+                layout: str = PORT_LAYOUT, tokens: int = 1, sampler: bool = False,
+                latency_s: float = COLLECTIVE_LATENCY_S) -> StepCost:
     """A target forward over ``batch`` rows of ``tokens`` tokens each (plain decode: 1; a verify step: ``k + 1``);
     ``sampler``: with on-device sampling (the fused graph's): the logits all-gather replaced by the sampler's
     :data:`SAMPLER_COLLECTIVES`."""
@@ -97,7 +100,7 @@ def target_step(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: st
     rows = collectives(c, tp, ep, batch * tokens, layout, row_tokens=tokens)
     n = sum(r["count"] for r in rows if not (sampler and r["name"] == "LM head logits"))
     return StepCost(sum(b.values()), step_flops(c, tp, ep, batch * tokens, bucket),
-                    n + (SAMPLER_COLLECTIVES if sampler else 0))
+                    n + (SAMPLER_COLLECTIVES if sampler else 0), latency_s)
 
 
 def draft_heads(dc: DraftConfig, tp: int) -> tuple[int, int]:
@@ -144,11 +147,12 @@ def draft_flops(dc: DraftConfig, tp: int, batch: int, bucket: int, k: int) -> in
     return k * step + 2 * batch * t["fc"] + 2 * batch * (k + 1) * (t["fc"] + t["k"] + t["v"])
 
 
-def draft_part(dc: DraftConfig, tp: int, batch: int, bucket: int, k: int) -> StepCost:
+def draft_part(dc: DraftConfig, tp: int, batch: int, bucket: int, k: int, latency_s: float = COLLECTIVE_LATENCY_S
+               ) -> StepCost:
     """The draft's part of one fused step for ``batch`` sequences over a ``bucket``-token context: ``k`` draft steps
     and the catch-up (:func:`draft_reads`, :func:`draft_flops`, the collectives as traced)."""
     return StepCost(sum(draft_reads(dc, tp, batch, bucket, k).values()), draft_flops(dc, tp, batch, bucket, k),
-                    k * DRAFT_STEP_COLLECTIVES + DRAFT_EXTRA_COLLECTIVES)
+                    k * DRAFT_STEP_COLLECTIVES + DRAFT_EXTRA_COLLECTIVES, latency_s)
 
 
 @dataclass(frozen=True)
@@ -171,12 +175,31 @@ class Projection:
 
 
 def project(c: M3Config, tp: int, ep: int, seq: int, k: int, weights: str = "bf16", kv_dtype: str = "bf16",
-            draft: DraftConfig = M3_DRAFT, batches=BATCHES, layout: str = PORT_LAYOUT) -> list[Projection]:
-    """Plain and fused speculative steps at each batch."""
+            draft: DraftConfig = M3_DRAFT, batches=BATCHES, layout: str = PORT_LAYOUT,
+            latency_s: float = COLLECTIVE_LATENCY_S) -> list[Projection]:
+    """Plain and fused speculative steps at each batch, ``latency_s`` per collective."""
     bucket = cache_tokens(c, tp, seq, layout)
-    return [Projection(b, target_step(c, tp, ep, b, seq, weights, kv_dtype, layout),
-                       target_step(c, tp, ep, b, seq, weights, kv_dtype, layout, tokens=k + 1, sampler=True),
-                       draft_part(draft, tp, b, bucket, k), k) for b in batches]
+    return [Projection(b, target_step(c, tp, ep, b, seq, weights, kv_dtype, layout, latency_s=latency_s),
+                       target_step(c, tp, ep, b, seq, weights, kv_dtype, layout, tokens=k + 1, sampler=True,
+                                   latency_s=latency_s),
+                       draft_part(draft, tp, b, bucket, k, latency_s), k) for b in batches]
+
+
+def fused_itl(c: M3Config, tp: int, ep: int, batch: int, seq: int, k: int = ITL_K, weights: str = "bf16",
+              kv_dtype: str = "bf16", draft: DraftConfig = M3_DRAFT, layout: str = PORT_LAYOUT,
+              latency_s: float = COLLECTIVE_LATENCY_S) -> Itl:
+    """The ITL estimate of one fused step (:func:`.cost.step_itl`, the plain step's formula): the bytes of the
+    target's verify of ``batch`` rows x ``k + 1`` tokens and of the draft's part (:func:`draft_reads`); the verify's
+    :func:`.cost.collectives` but the logits all-gather (on-device sampling), each the larger of ``latency_s`` and
+    its link time; the sampler's and the draft's collectives (:data:`SAMPLER_COLLECTIVES`,
+    :data:`DRAFT_STEP_COLLECTIVES` per draft step, :data:`DRAFT_EXTRA_COLLECTIVES`; buffers of ``batch`` to
+    ``batch x (k + 1)`` rows) at ``latency_s``. A sequence gains its mean acceptance length per step: ms per token =
+    ``total_s`` / that length."""
+    v = target_step(c, tp, ep, batch, seq, weights, kv_dtype, layout, tokens=k + 1, sampler=True)
+    d = draft_part(draft, tp, batch, cache_tokens(c, tp, seq, layout), k)
+    rows = [r for r in collectives(c, tp, ep, batch * (k + 1), layout, row_tokens=k + 1)
+            if r["name"] != "LM head logits"]
+    return step_itl(v.bytes + d.bytes, rows, latency_s, SAMPLER_COLLECTIVES + d.collectives)
 
 
 def format_projection(rows: list[Projection], seq: int, weights: str, acceptance=ACCEPTANCE) -> str:
@@ -184,7 +207,7 @@ def format_projection(rows: list[Projection], seq: int, weights: str, acceptance
     head = "".join(f"{f'a={a}':>14}" for a in acceptance)
     lines = [f"speculative decoding, k={k} drafts, {seq} tokens, {weights} experts: tokens/s per sequence (x plain) "
              "at mean acceptance length a",
-             f"(per rank: step = max(HBM, FLOP) + collectives x {COLLECTIVE_LATENCY_S * 1e6:.0f} us; NxDI's fused "
+             f"(per rank: step = max(HBM, FLOP) + collectives x {rows[0].plain.latency_s * 1e6:g} us; NxDI's fused "
              f"step: the target verifies b x {k + 1} tokens, reading the weights once and each row's dense K/V and "
              f"index keys once, sampling on device; the draft runs {k} steps, each its layer, a full-vocabulary head "
              "(a draft vocabulary folded in) and its K/V of the whole bucket, and a catch-up)",
