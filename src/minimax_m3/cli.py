@@ -86,18 +86,39 @@ def cmd_golden(args) -> None:
 def _tokenizer(model_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:  # no tokenizer files: one error, not transformers' traceback
+        raise M3Error(f"cannot load a tokenizer from {model_dir} ({str(e).strip().splitlines()[0]}); it needs "
+                      "tokenizer.json and tokenizer_config.json, or give token ids with --prompt-ids") from None
+
+
+def _prompt(args) -> tuple[list[int], object, tuple[int, ...]]:
+    """(prompt ids, tokenizer or None, extra stop ids): ``--prompt-ids``, ``--prompt`` (raw text), or chat
+    (``--messages`` / ``--chat``, with ``--tools`` and ``--thinking-mode``) through the checkpoint's chat template,
+    which then also stops at its end of turn. Read before the engine loads, so bad input fails at once."""
+    from .checkpoint import chat_template as C
+
+    chat = args.messages is not None or args.chat is not None
+    if not chat and (args.tools or args.thinking_mode):
+        raise C.ChatError("--tools and --thinking-mode apply to chat input: give --messages FILE.json or --chat TEXT")
+    if args.prompt_ids:
+        return [int(t) for t in args.prompt_ids.split(",")], None, ()
+    tok = _tokenizer(storage.resolve(args.model, args.cache_dir))
+    if not chat:
+        return tok(args.prompt)["input_ids"], tok, ()
+    messages, tools = C.read_chat(args.messages) if args.messages else ([{"role": "user", "content": args.chat}], None)
+    if args.tools:
+        tools = C.read_tools(args.tools)
+    ids = C.chat_prompt_ids(tok, messages, tools, args.thinking_mode, where=f"checkpoint {args.model}")
+    eot = tok.get_vocab().get(C.END_OF_TURN)
+    return ids, tok, (eot,) if eot is not None else ()
 
 
 def cmd_generate(args) -> None:
+    ids, tok, stop = _prompt(args)
     engine = _load(args)
-    if args.prompt_ids:
-        ids = [int(t) for t in args.prompt_ids.split(",")]
-        tok = None
-    else:
-        tok = _tokenizer(storage.resolve(args.model, args.cache_dir))
-        ids = tok(args.prompt)["input_ids"]
-    eos = (engine.config.eos_token_id,) if engine.config.eos_token_id is not None else ()
+    eos = ((engine.config.eos_token_id,) if engine.config.eos_token_id is not None else ()) + stop
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, eos_token_ids=eos)
     res = engine.generate([ids], gen)[0]
@@ -164,11 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=16)
     p.set_defaults(func=cmd_golden)
 
-    p = sub.add_parser("generate", help="generate from a prompt")
+    p = sub.add_parser("generate", help="generate from a prompt, token ids or chat messages")
     _engine_args(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="text (tokenized with the checkpoint's tokenizer)")
     g.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument("--messages", metavar="FILE.json",
+                   help="chat: a JSON list of {role, content} messages (system, developer, user, assistant, tool; "
+                        "tool_calls as in chat completions) or a request body with messages and tools, rendered "
+                        "with the checkpoint's chat template")  # fmt: skip
+    g.add_argument("--chat", metavar="TEXT", help="chat: one user message, rendered with the checkpoint's template")
+    p.add_argument("--tools", metavar="FILE.json", help="chat: a JSON list of tools (chat-completions form)")
+    p.add_argument("--thinking-mode", choices=["enabled", "disabled", "adaptive"], default=None,
+                   help="chat: the template's thinking_mode (M3: the prompt ends <mm:think>, </mm:think> or nothing; "
+                        "default: the template's, adaptive)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

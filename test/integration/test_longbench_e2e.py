@@ -15,6 +15,7 @@ from minimax_m3.eval.runner import run_longbench
 PROMPTS = {"hotpotqa": "Read the notes.\n\n{context}\n\nQuestion: {input}\nAnswer:",
            "trec": "Label it.\n\n{context}\n{input}"}
 MAXLEN = {"hotpotqa": 8, "trec": 6}
+MAX_LEN = 1280
 
 
 def rows(task):
@@ -38,7 +39,8 @@ def setup(tmp_path_factory):
     data.mkdir()
     for task in PROMPTS:
         (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(task)))
-    engine = load_engine(str(model), backend="reference", device="cpu", max_seq_len=256)
+    # M3's chat template (the synthetic checkpoint's) adds ~810 ids around a prompt: its fixed system block
+    engine = load_engine(str(model), backend="reference", device="cpu", max_seq_len=MAX_LEN)
     return root, model, data, engine, AutoTokenizer.from_pretrained(model)
 
 
@@ -68,7 +70,10 @@ def test_longbench_end_to_end_with_resume(setup, tmp_path):
     assert full["tasks"]["hotpotqa"]["n"] == 3 and full["tasks"]["trec"]["n"] == 2
     a = {**preds(tmp_path / "a", "hotpotqa"), **preds(tmp_path / "a", "trec")}
     assert all(r["truncated"] for k, r in a.items() if k.startswith("h"))  # ~1400-byte prompts cut to 200 ids
-    assert all(r["prompt_tokens"] <= 200 + 4 and 1 <= r["gen_tokens"] <= 8 for k, r in a.items() if k.startswith("h"))
+    chat = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False))
+    assert all(r["prompt_tokens"] <= 200 + chat + 4 and 1 <= r["gen_tokens"] <= 8
+               for k, r in a.items() if k.startswith("h"))
     assert all(not r["truncated"] and r["gen_tokens"] <= 6 for k, r in a.items() if k.startswith("t"))
 
     # 2) a run killed after 2 samples keeps them; the CLI resumes it one sample at a time
@@ -81,8 +86,8 @@ def test_longbench_end_to_end_with_resume(setup, tmp_path):
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers(dest="command"))
     args = ap.parse_args(["longbench", "--model", str(model), "--data", str(data), "--tasks", "hotpotqa,trec",
-                          "--out", str(out), "--max-input-tokens", "200", "--max-seq-len", "256", "--device", "cpu",
-                          "--no-progress"])
+                          "--out", str(out), "--max-input-tokens", "200", "--max-seq-len", str(MAX_LEN),
+                          "--device", "cpu", "--no-progress"])
     args.func(args)
     assert (out / "pred" / "hotpotqa.jsonl").read_text().startswith(kept)  # finished lines untouched
     b = {**preds(out, "hotpotqa"), **preds(out, "trec")}
@@ -98,7 +103,7 @@ def test_cli_errors_are_one_line(setup, tmp_path, capsys):
     from minimax_m3.cli import main
 
     rc = main(["longbench", "--model", str(model), "--data", str(data), "--tasks", "hotpot", "--out", str(tmp_path),
-               "--max-seq-len", "256", "--device", "cpu"])  # the package error, mapped once by the CLI
+               "--max-seq-len", str(MAX_LEN), "--device", "cpu"])  # the package error, mapped once by the CLI
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert "unknown LongBench task 'hotpot'" in err

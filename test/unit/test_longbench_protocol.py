@@ -135,6 +135,20 @@ def test_v2_prompt_and_thinking():
     assert P.extract_v2_answer(P.strip_thinking(thought)) == "B"
 
 
+@pytest.mark.parametrize("response,kept", [
+    ("<mm:think>The correct answer is (A)</mm:think>The correct answer is (B)", "The correct answer is (B)"),  # M3
+    # M3 thinking_mode=enabled: the prompt ends <mm:think>, so the response opens inside the block
+    ("The correct answer is (A)?\nNo.</mm:think>\nThe correct answer is (C)", "\nThe correct answer is (C)"),
+    ("</mm:think>The correct answer is (D)", "The correct answer is (D)"),  # disabled-style: an empty block
+    ("\n<mm:think>The correct answer is (A), still thinking when max_gen ran out", ""),  # never closed: no answer
+    ("<mm:think>a</mm:think>x<mm:think>b</mm:think>y", "xy"),  # every complete block
+    ("Thinking first: (A)</think>The correct answer is (B)", "The correct answer is (B)"),  # M2, opened by its prompt
+    ("The correct answer is (B): no thinking", "The correct answer is (B): no thinking"),
+])
+def test_strip_thinking_m3_markers(response, kept):
+    assert P.strip_thinking(response) == kept
+
+
 def test_prepare_v2_truncation(tok):
     # v2 keeps ids[:4//2] + ids[-4//2:] = "01" + "89", and always applies the chat template
     p = P.prepare_v2(tok, "0123456789", max_input_tokens=4)

@@ -40,7 +40,9 @@ def test_chat_template_and_custom_ids(tmp_path):
     # <s> + <|user|> + bytes of "问 q" (3 + 1 + 1) + <|end|> + <|assistant|> = 1 + 1 + 5 + 1 + 1 = 9
     assert len(ids) == 9 and ids[0] == 7
     assert tok.decode(ids, skip_special_tokens=True) == "问 q"
-    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["chat_template"]
+    # beside the tokenizer as chat_template.jinja (the release's layout), not inside tokenizer_config.json
+    assert (tmp_path / "chat_template.jinja").read_text() == tok.chat_template
+    assert "chat_template" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
 
 
 def test_bad_arguments(tmp_path):

@@ -34,8 +34,11 @@ pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing(
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from minimax_m3.checkpoint.synthetic import write_synthetic
+    from minimax_m3.checkpoint.toy_tokenizer import CHAT_TEMPLATE
 
-    return str(write_synthetic(tmp_path_factory.mktemp("vllm") / "tiny", M3Config.preset("tiny"), seed=0))
+    # the toy chat template: M3's fixed system block alone is ~810 byte tokens, past these 256-token caches
+    return str(write_synthetic(tmp_path_factory.mktemp("vllm") / "tiny", M3Config.preset("tiny"), seed=0,
+                               chat_template=CHAT_TEMPLATE))
 
 
 @pytest.fixture(scope="module")

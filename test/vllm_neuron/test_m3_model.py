@@ -34,9 +34,11 @@ def _ids(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def m3(tmp_path_factory):
     from minimax_m3.checkpoint.synthetic import write_synthetic
+    from minimax_m3.checkpoint.toy_tokenizer import CHAT_TEMPLATE
     from minimax_m3.reference.engine import ReferenceEngine
 
-    path = write_synthetic(tmp_path_factory.mktemp("m3") / "tiny", "tiny", seed=0)
+    # the toy chat template: M3's fixed system block alone is ~810 byte tokens, past the served 256-token context
+    path = write_synthetic(tmp_path_factory.mktemp("m3") / "tiny", "tiny", seed=0, chat_template=CHAT_TEMPLATE)
     return path, ReferenceEngine.from_pretrained(path, device="cpu", dtype="float32", max_seq_len=512)
 
 

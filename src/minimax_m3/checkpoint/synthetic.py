@@ -1,7 +1,8 @@
 """Synthetic checkpoints in the release's exact layout (key names, dtypes, sharding, config form).
 
 ``write_synthetic(out, "tiny", seed=0)`` writes ``model-0000k-of-0000n.safetensors`` shards, the index JSON,
-a release-form ``config.json``, ``generation_config.json`` and a toy byte-level tokenizer. Weights are
+a release-form ``config.json``, ``generation_config.json`` and a toy byte-level tokenizer with M3's special tokens
+and chat template (``chat_template.jinja``, written from the release's format: ``chat_template.py``). Weights are
 deterministic by seed, scaled so activations stay O(1), with randomised Gemma norm weights and routing bias
 (zero defaults would hide a missing ``(1 + w)`` or a missing bias).
 """
@@ -21,6 +22,7 @@ from .._atomic import staged_directory
 from ..config.m3 import M3Config
 from . import formats as F
 from .mapping import release_shapes
+from .chat_template import M3_CHAT_TEMPLATE
 from .toy_tokenizer import write_toy_tokenizer
 
 LM = "language_model.model"
@@ -191,8 +193,10 @@ def quantize_items(c: M3Config, items: list[tuple[str, torch.Tensor]], fmt: str)
 
 
 def write_synthetic(out: str | Path, preset: str | M3Config = "tiny", seed: int = 0, num_shards: int | None = None,
-                    force: bool = False, fmt: str = "bf16") -> Path:
-    """Write a synthetic checkpoint in the release layout (``fmt``: bf16, mxfp8 or nvfp4); returns its directory."""
+                    force: bool = False, fmt: str = "bf16", chat_template: str = M3_CHAT_TEMPLATE) -> Path:
+    """Write a synthetic checkpoint in the release layout (``fmt``: bf16, mxfp8 or nvfp4); returns its directory.
+    ``chat_template``: M3's (its fixed system block is ~810 ids in the byte-level toy tokenizer); a test that needs
+    short chat prompts may pass ``toy_tokenizer.CHAT_TEMPLATE``."""
     c = M3Config.preset(preset) if isinstance(preset, str) else preset
     if c.num_layers * c.hidden_size > 64 * 4096:
         raise ValueError("synthetic checkpoints are for CPU-sized presets (tiny, small); not the full model")
@@ -208,5 +212,5 @@ def write_synthetic(out: str | Path, preset: str | M3Config = "tiny", seed: int 
         Path(out), config, items, num_shards,
         {"generation_config.json": json.dumps(gen, indent=2) + "\n", **extra}, force=force,
         finish=lambda d: write_toy_tokenizer(d, vocab_size=c.vocab_size, bos_token_id=c.bos_token_id,
-                                             eos_token_id=c.eos_token_id),
+                                             eos_token_id=c.eos_token_id, chat_template=chat_template),
     )

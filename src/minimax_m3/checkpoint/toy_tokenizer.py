@@ -1,8 +1,10 @@
 """A tiny byte-level tokenizer for synthetic checkpoints and tests.
 
 Every UTF-8 string (Chinese included) encodes to one token per byte, so encode/decode round-trips exactly.
-Special tokens (pad, bos, eos and three chat markers) take the lowest free ids; the 256 byte tokens follow.
-All ids are below ``vocab_size``. The result loads with ``transformers.AutoTokenizer.from_pretrained``.
+Special tokens (pad, bos, eos and four chat markers) take the lowest free ids; the 256 byte tokens follow, then
+MiniMax-M3's special tokens (``chat_template.SPECIAL_TOKENS``: ``]~!b[``, ``]~b]``, ``[e~[``, ``]<]minimax[>[``,
+``<mm:think>``...), one id each. All ids are below ``vocab_size``. The chat template is written beside the tokenizer
+as ``chat_template.jinja``, as the release does. The result loads with ``transformers.AutoTokenizer.from_pretrained``.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import json
 from pathlib import Path
 
 from .._atomic import atomic_path, write_atomic
+from .chat_template import SPECIAL_TOKENS as M3_SPECIAL_TOKENS
 
-# A single-user-turn chat format; the markers are special tokens, so truncation can never split them.
+# A single-user-turn chat format for protocol tests (synthetic checkpoints carry M3's own, chat_template.py); the
+# markers are special tokens, so truncation can never split them.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -35,18 +39,19 @@ def write_toy_tokenizer(
     bos_token_id: int = 1,
     eos_token_id: int = 2,
     pad_token_id: int = 0,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``out_dir``.
+    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and chat_template.jinja into ``out_dir``.
 
     Layout: ``pad``/``bos``/``eos`` at the given ids; the chat markers ``<|system|> <|user|> <|assistant|>
-    <|end|>`` at the lowest remaining ids; then the 256 byte tokens. Needs ``vocab_size >= 263`` and the
-    three given ids distinct and below ``vocab_size``. The tokenizer adds no BOS by itself; the chat template
-    starts with it.
+    <|end|>`` at the lowest remaining ids; then the 256 byte tokens; then M3's special tokens. Needs
+    ``vocab_size >= 271`` and the three given ids distinct and below ``vocab_size``. The tokenizer adds no BOS by
+    itself; ``CHAT_TEMPLATE`` starts with it (M3's template writes ``]~!b[`` instead).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     named = {"pad": pad_token_id, "bos": bos_token_id, "eos": eos_token_id}
-    n_special = len(named) + len(_ROLE_MARKERS)
+    n_special = len(named) + len(_ROLE_MARKERS) + len(M3_SPECIAL_TOKENS)
     if vocab_size < _N_BYTES + n_special:
         raise ValueError(
             f"vocab_size {vocab_size} is too small for the toy tokenizer: it needs {_N_BYTES} byte tokens + "
@@ -65,12 +70,14 @@ def write_toy_tokenizer(
         id_to_token[next(free)] = marker
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         id_to_token[next(free)] = ch
+    for marker in M3_SPECIAL_TOKENS:
+        id_to_token[next(free)] = marker
     vocab = {tok: i for i, tok in id_to_token.items()}
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    specials = [special_text[k] for k in ("pad", "bos", "eos")] + list(_ROLE_MARKERS)
+    specials = [special_text[k] for k in ("pad", "bos", "eos")] + list(_ROLE_MARKERS) + list(M3_SPECIAL_TOKENS)
     from tokenizers import AddedToken
 
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
@@ -84,7 +91,7 @@ def write_toy_tokenizer(
         "bos_token": special_text["bos"],
         "eos_token": special_text["eos"],
         "pad_token": special_text["pad"],
-        "additional_special_tokens": list(_ROLE_MARKERS),
+        "additional_special_tokens": list(_ROLE_MARKERS) + list(M3_SPECIAL_TOKENS),
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -92,8 +99,8 @@ def write_toy_tokenizer(
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,
         "add_eos_token": False,
-        "chat_template": CHAT_TEMPLATE,
         **special_map,
     }
+    write_atomic(out / "chat_template.jinja", chat_template)
     _write_json_atomic(out / "special_tokens_map.json", special_map)
     _write_json_atomic(out / "tokenizer_config.json", config)

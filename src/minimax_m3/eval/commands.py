@@ -32,8 +32,9 @@ def register(subparsers) -> None:
                    help="middle-truncation budget (pred.py's max_length); default: max_seq_len - max_gen - chat "
                         "overhead - 16")
     p.add_argument("--strip-thinking", action="store_true",
-                   help="v2: remove <think>...</think> blocks before extracting the answer (for reasoning models; "
-                        "not in the official protocol, which extracts from the whole response)")  # fmt: skip
+                   help="v2: remove the thinking (M3's <mm:think>...</mm:think>, M2's <think>...</think>) before "
+                        "extracting the answer (for reasoning models; not in the official protocol, which extracts "
+                        "from the whole response)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_longbench)
     _register_needle(subparsers)

@@ -211,16 +211,25 @@ def prepare_v2(tokenizer, prompt: str, max_input_tokens: int, max_total: int | N
     )
 
 
-_THINK = re.compile(r"<think>.*?</think>", re.S)
+_THINK_MARKERS = (("<think>", "</think>"), ("<mm:think>", "</mm:think>"))  # M1/M2's, M3's
 _ANSWER_PAREN = re.compile(r"The correct answer is \(([A-D])\)")
 _ANSWER_BARE = re.compile(r"The correct answer is ([A-D])")
 
 
 def strip_thinking(response: str) -> str:
-    """Remove complete ``<think>...</think>`` blocks (reasoning models). Not part of the official protocol
-    (v2's pred.py extracts from the whole response): the runner applies it only with ``strip_thinking=True``
-    (``minimax-m3 longbench --strip-thinking``)."""
-    return _THINK.sub("", response)
+    """Remove the thinking of reasoning models: M3's ``<mm:think>...</mm:think>`` and M1/M2's ``<think>...</think>``
+    blocks; text before a first closing marker with no opener (the prompt opened the block: M3's generation prompt
+    ends ``<mm:think>`` with thinking enabled); and a leading block never closed (cut by max_gen: all thinking, no
+    answer). Not part of the official protocol (v2's pred.py extracts from the whole response): the runner applies it
+    only with ``strip_thinking=True`` (``minimax-m3 longbench --strip-thinking``)."""
+    for start, end in _THINK_MARKERS:
+        head, sep, tail = response.partition(end)
+        if sep and start not in head:
+            response = tail
+        response = re.sub(re.escape(start) + ".*?" + re.escape(end), "", response, flags=re.S)
+        if response.lstrip().startswith(start):
+            response = ""
+    return response
 
 
 def extract_v2_answer(response: str) -> str | None:

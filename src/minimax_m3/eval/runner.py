@@ -132,8 +132,9 @@ def run_longbench(
 
     ``max_input_tokens`` is the middle-truncation budget (pred.py's ``max_length``); by default
     ``engine.max_seq_len`` minus the largest max_gen of the chosen tasks, the chat wrapper and 16 ids.
-    ``strip_thinking``: drop ``<think>...</think>`` blocks from v2 responses before the answer is extracted
-    (not in the official protocol, hence off by default; for reasoning models).
+    ``strip_thinking``: drop the thinking (``protocol.strip_thinking``: M3's ``<mm:think>``, M2's ``<think>``) from v2
+    responses before the answer is extracted (not in the official protocol, hence off by default; for reasoning
+    models).
     """
     task_list = resolve_tasks(tasks)
     problems = [f"{name} must be >= 1, got {value} (--{name.replace('_', '-')})" for name, value in (
