@@ -15,7 +15,7 @@ from . import storage
 from .load import load_engine
 from .engine.loop import SPEC_TIMING_KEYS, TIMING_KEYS, GenerationConfig
 from .errors import M3Error
-from .engine.spec import EngineSpec, add_engine_options, spec_from_args
+from .engine.spec import EngineSpec, SpecError, add_engine_options, spec_from_args
 
 # Packages that contribute sub-commands through a ``register(subparsers)`` function.
 COMMAND_MODULES = ("minimax_m3.checkpoint.commands", "minimax_m3.eval.commands", "minimax_m3.planner",
@@ -47,6 +47,28 @@ def _with_storage(func, inputs: tuple[str, ...], output: str | None):
         return rc
 
     return run
+
+
+def _add_route(p: argparse.ArgumentParser) -> None:
+    """``compile --route``: NxDI (Neuron <= 2.33, the default) or the vLLM Neuron model (Neuron >= 2.34), whose only
+    off-device build is the dry run (:mod:`minimax_m3.vllm_neuron.dry_run`)."""
+    p.add_argument("--route", choices=("nxdi", "vllm-neuron"), default="nxdi",
+                   help="nxdi: the NxDI port (Neuron SDK <= 2.33); vllm-neuron: the vLLM Neuron model's graphs "
+                        "through torch.compile / torch-mlir to StableHLO (with --dry-run)")
+    nxdi = p.get_default("func")
+
+    def run(args):
+        if args.route == "nxdi":
+            return nxdi(args)
+        if not args.dry_run:
+            raise SpecError(["--route vllm-neuron builds graphs with --dry-run only: the plugin compiles on the trn2 "
+                             "itself when `vllm serve` starts (README, 'Which stack for which Neuron SDK')"],
+                            source="compile")
+        from .vllm_neuron.dry_run import run as dry_run
+
+        return dry_run(args)
+
+    p.set_defaults(func=run)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -218,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    _add_route(sub.choices["compile"])
     for command, (inputs, output) in STORAGE_WIRING.items():
         p = sub.choices[command]
         storage.add_storage_args(p)

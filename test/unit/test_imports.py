@@ -37,7 +37,7 @@ MAY_IMPORT = {  # unit -> the units below it (ARCHITECTURE.md, "Packages"); clos
     "graphs": {"planner", "config"},  # the report sets the traced cost beside the planner's minimum
     "neuron": {"engine", "ops", "checkpoint", "config", "storage", "graphs", "planner"},
     # the vLLM Neuron model: the reference's layers (parameters, TP/EP slicing, the loader) over paged caches
-    "vllm_neuron": {"reference", "ops", "config", "storage"},
+    "vllm_neuron": {"reference", "ops", "config", "storage", "graphs"},  # graphs: its dry run's StableHLO reader
     "eval": {"engine", "config", "load"},  # its longbench command and lm-eval adapter load engines
     "load": {"engine", "reference", "neuron", "config", "storage"},
 }

@@ -65,6 +65,6 @@ def test_stablehlo_of_a_prefill_segment_and_a_decode_step():
     model = rank_model(TINY, dtype=torch.float32, num_blocks=40)
     for bucket in (Bucket("prefill", 64, 16), Bucket("decode", 1, 16, batch=2)):
         text = stablehlo(model, bucket)
-        assert "func.func @main" in text
-        assert text.count("stablehlo.dot_general") >= 4 * TINY.num_layers
-        assert "stablehlo.scatter" in text and "stablehlo.gather" in text
+        assert '"func.func"' in text and 'sym_name = "main"' in text  # generic form, with debug locations
+        assert text.count('"stablehlo.dot_general"') >= 4 * TINY.num_layers
+        assert '"stablehlo.scatter"' in text and '"stablehlo.gather"' in text

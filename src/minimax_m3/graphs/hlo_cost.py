@@ -60,6 +60,10 @@ DOT_RULES: tuple[tuple[str, str | None, tuple[int, int] | None, str], ...] = (
     ("minimax_m3/ops/step.py", "block_scores", None, "indexer"),  # the prior and active index keys' scores
     ("minimax_m3/ops/step.py", "residue", None, "rest"),  # the rank's share of a call's own keys
     ("minimax_m3/ops/step.py", None, None, "attention"),
+    ("minimax_m3/ops/moe.py", "expert_ffn", None, "routed_experts"),  # the reference layers' experts (vLLM Neuron)
+    ("minimax_m3/ops/moe.py", "moe_all_experts", None, "routed_experts"),
+    ("minimax_m3/ops/paged.py", "gather", None, "attention"),  # the selected pages: gathered K/V
+    ("minimax_m3/ops/paged.py", "lines", None, "rest"),  # every page of a row: a dense read (counted per cache)
     ("neuronx_distributed/modules/moe/routing.py", None, None, "rest"),
     ("neuronx_distributed/modules/moe/shared_experts.py", None, None, "rest"),
     ("neuronx_distributed/modules/moe/", None, None, "routed_experts"),
@@ -250,7 +254,8 @@ def collective_bytes(kind: str, out_shape, operand_shapes) -> int:
 
 def _where(frames) -> str:
     """``file:function:line`` of the first frame outside torch and NxD's collective wrappers."""
-    skip = PASS_THROUGH + ("/parallel_layers/comm.py", "/parallel_layers/mappings.py", "/minimax_m3/neuron/nxd_compat")
+    skip = PASS_THROUGH + ("/parallel_layers/comm.py", "/parallel_layers/mappings.py", "/minimax_m3/neuron/nxd_compat",
+                           "m3-collective:")  # a collective's stand-in frame (graphs.stablehlo.MARK)
     for path, func, line in frames:
         if not any(s in path.replace("\\", "/") for s in skip):
             return f"{path.rsplit('/', 1)[-1]}:{func}:{line}"

@@ -209,11 +209,11 @@ def analytic(cfg: M3Config, man: dict, g: dict) -> dict:
                     "collectives": plan.collectives(cfg, tp, ep, batch * t, layout, row_tokens=t)}
         coll = plan.collectives(cfg, tp, ep, batch * g["bucket"], layout, logit_rows=batch, phase="prefill",
                                 chunked=man["layout"].get("chunked", True))
-        if layout == "sharded":
+        if layout == "sharded" or man["layout"].get("paged"):  # a call (segment) of a longer prompt
             seq = max(man.get("max_length") or g["bucket"], g["bucket"])
             start = seq - g["bucket"]
             flops = {k: v * batch for k, v in plan.chunk_flops(cfg, tp, ep, start, g["bucket"], seq).items()}
-            gathered = plan.chunk_bytes(cfg, tp, ep, start, g["bucket"], seq, weights)["gathered K/V"]
+            gathered = plan.chunk_bytes(cfg, tp, ep, start, g["bucket"], seq, weights, layout=layout)["gathered K/V"]
         else:
             flops = plan.prefill_flops(cfg, tp, ep, batch, g["bucket"])
             gathered = plan.chunk_bytes(cfg, tp, ep, 0, g["bucket"], g["bucket"], weights,

@@ -37,7 +37,8 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pick_strategy(device: torch.device, dtype: torch.dtype, rows: int, n_local: int) -> str:
     """``grouped`` (torch._grouped_mm), ``gather`` (each (token, slot) row multiplies its expert's weights, gathered:
-    reads exactly the chosen experts) or ``loop`` (over the used experts; one host read)."""
+    reads exactly the chosen experts) or ``loop`` (over the used experts; one host read). ``dense`` (every local
+    expert on every token) is never picked: it is the formulation torch-mlir lowers (the vLLM Neuron dry run)."""
     if device.type == "cpu" and rows <= n_local:  # CPU's grouped_mm copies every group's weights per call
         return "gather"
     return "grouped" if grouped_mm_available(device, dtype) else "loop"
@@ -50,17 +51,20 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
 
     ``gate_up [E_local, H, 2I_local]`` (gate first), ``down [E_local, I_local, H]``. Each expert's contribution is
     rounded to the activation dtype before the ``k`` contributions of a token are summed, like transformers.
-    ``strategy=None`` picks one with :func:`pick_strategy`; all three give the same sums (tested).
+    ``strategy=None`` picks one with :func:`pick_strategy`; all four give the same sums (tested).
     """
     t, k = experts.shape
     n_local = gate_up.shape[0]
     strategy = strategy or pick_strategy(x.device, x.dtype, t * k, n_local)
-    if strategy not in ("grouped", "gather", "loop"):
-        raise ValueError(f"MoE strategy {strategy!r}; choose grouped, gather or loop")
+    if strategy not in ("grouped", "gather", "loop", "dense"):
+        raise ValueError(f"MoE strategy {strategy!r}; choose grouped, gather, loop or dense")
     wide = torch.promote_types(x.dtype, torch.float32)  # float32 math for bf16; float64 stays float64
     every = first_expert == 0 and n_local == c.num_experts  # no expert parallelism: every slot is local
     local = experts if every else experts - first_expert
     mine = None if every else (local >= 0) & (local < n_local)
+    if strategy == "dense":  # every local expert on every token, unchosen ones weighted 0: no sort, static shapes
+        w = weights if every else torch.where(mine, weights, 0.0)
+        return ops.moe_all_experts(x, w, local.clamp(0, n_local - 1), gate_up, down, c.swiglu_alpha, c.swiglu_limit)
     if strategy == "gather":  # rows in (token, slot) order: no sorting at all
         ids = (local if every else local.clamp(0, n_local - 1)).reshape(-1)
         xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, 1, x.shape[-1])

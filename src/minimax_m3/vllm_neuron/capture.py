@@ -131,42 +131,143 @@ def rank_model(c: M3Config, world: int = 1, rank: int = 0, ep: int = 1, dtype=to
     return model
 
 
-def stablehlo(model: MiniMaxM3ForCausalLM, b: Bucket) -> str:
-    """Bucket ``b``'s forward as StableHLO text, the module neuronx-cc receives on the plugin's native route
-    (``torch.export`` → torch-mlir → StableHLO). The pages become explicit arguments (the graph writes them in
-    place), after the forward's own; needs ``torch-mlir``."""
-    from torch_mlir import fx
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 
+
+@dataclass
+class Lowered:
+    """A bucket's forward as StableHLO: ``text`` (generic form, debug locations, collectives restored), one entry
+    per function argument in ``params`` (``number``, ``role``: input | weight | state, ``name``: the parameter's, or
+    ``past_key_values.N`` for pages, NxDI's numbering: layer ``i``'s K and V are ``2i``, ``2i + 1``, the index
+    specs' halves follow the ``2L`` K/V), and ``aliases``: argument number -> result index of its written value."""
+
+    text: str
+    params: list
+    aliases: dict
+
+
+def _mark_collectives(gm) -> int:
+    """Replace each functional collective of an exported graph by shape-equivalent aten ops whose location is a
+    :func:`~minimax_m3.graphs.stablehlo.collective_marker` (torch-mlir lowers none of them); drop the waits."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from ..graphs.stablehlo import collective_marker
+
+    c10d, aten, g, n = torch.ops._c10d_functional, torch.ops.aten, gm.graph, 0
+    for node in list(g.nodes):
+        if node.target == c10d.wait_tensor.default:
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+    for node in list(g.nodes):
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if node.op != "call_function" or not str(node.target).startswith("_c10d_functional."):
+            continue
+        if name not in COLLECTIVES:
+            raise CaptureError([f"collective {node.target} has no StableHLO stand-in (capture.COLLECTIVES)"])
+        x = node.args[0]
+        dims = x.meta["val"].dim()
+        with g.inserting_before(node):
+            if name == "all_reduce":
+                size, reduce = _resolve_process_group(node.args[2]).size(), node.args[1]
+                new = g.call_function(aten.abs.default, (x,))
+            elif name == "all_gather_into_tensor":
+                size, reduce = node.args[1], "none"
+                new = g.call_function(aten.repeat.default, (x, [size] + [1] * (dims - 1)))
+            else:
+                size, reduce = node.args[2], node.args[1]
+                part = x.meta["val"].shape[0] // size
+                new = g.call_function(aten.slice.Tensor, (g.call_function(aten.abs.default, (x,)), 0, 0, part))
+        kind = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather"}.get(name, "reduce-scatter")
+        for m in (new, *new.all_input_nodes):
+            if m is not x:
+                frame = f'  File "{collective_marker(kind, reduce, size, n)}", line 1, in collective\n'
+                m.meta = dict(node.meta, stack_trace=(node.meta.get("stack_trace") or "") + frame)  # innermost last
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        n += 1
+    g.lint()
+    gm.recompile()
+    return n
+
+
+def lower(model: MiniMaxM3ForCausalLM, b: Bucket) -> Lowered:
+    """Bucket ``b``'s forward as StableHLO, the module neuronx-cc receives on the plugin's native route
+    (``torch.export`` → torch-mlir → StableHLO), its arguments the forward's own, then the weights, then the pages
+    (written in place: aliased to results); collectives as ``stablehlo`` collectives (:func:`_mark_collectives`).
+    Needs ``torch-mlir``."""
+    from torch_mlir import fx, ir
+
+    from ..graphs.stablehlo import restore_collectives
+
+    c = model.config
     specs = [s.name for s in model.get_kv_spec().layers]
     cache = model.cache
-    pages = [t for i in range(model.config.num_layers)
+    kv = [p for i in range(c.num_layers) for p in ((f"past_key_values.{2 * i}", cache.k[i]),
+                                                   (f"past_key_values.{2 * i + 1}", cache.v[i]))]
+    ik = [(f"past_key_values.{2 * c.num_layers + j}", t) for j, t in
+          enumerate(t for i in sorted(cache.ik) for t in cache.ik[i])]
+    order = {id(t): name for name, t in kv + ik}
+    pages = [t for i in range(c.num_layers)
              for t in ((cache.k[i], cache.v[i]) + (cache.ik[i] if i in cache.ik else ()))]
+    fused = {name: mod for name, mod in model.m3.named_modules() if getattr(mod, "_fused", None) is not None}
+    for mod in fused.values():  # the fused input projections (weights the linears view): arguments, not constants
+        t = mod.__dict__.pop("_fused")
+        mod.register_buffer("_fused", t, persistent=False)
+    views = {t.untyped_storage().data_ptr() for t in (m._fused for m in fused.values())}
+    weights = {k: p for k, p in model.m3.named_parameters() if p.untyped_storage().data_ptr() not in views}
+    weights.update({f"{name}._fused" if name else "_fused": mod._fused for name, mod in fused.items()})
     args = inputs(model, b)
     md = args["attn_metadata"][attention_spec(0)]
+    n_w = len(weights)
 
-    class Forward(torch.nn.Module):  # the forward with its pages as arguments
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
+    class Forward(torch.nn.Module):  # the model is a closure, not a submodule: its weights stay arguments
         def forward(self, input_ids, positions, slots, table, sampling_positions, *tensors):
-            it = iter(tensors)
+            w = {f"m3.{k}": t for k, t in zip(weights, tensors[:n_w])}
+            it = iter(tensors[n_w:])
             model.bind_kv_cache({name: [next(it), next(it)] for name in specs})
             meta = {attention_spec(i): dict(md, slot_mapping=slots, block_table_tensor=table)
-                    for i in range(model.config.num_layers)}
-            return model.forward(input_ids, positions, attn_metadata=meta, sampling_positions=sampling_positions)
+                    for i in range(c.num_layers)}
+            return torch.func.functional_call(model, w, (input_ids, positions),
+                                              dict(attn_metadata=meta, sampling_positions=sampling_positions))
 
-    m3 = model.m3
-    inv = m3.inv_freq  # a non-persistent buffer torch-mlir cannot map: persistent while exported
-    m3.register_buffer("inv_freq", inv, persistent=True)
+    user = (args["input_ids"], args["positions"], md["slot_mapping"], md["block_table_tensor"],
+            args["sampling_positions"], *weights.values(), *pages)
+    names = ["input_ids", "positions", "slot_mapping", "block_table", "sampling_positions", *weights,
+             *(order[id(t)] for t in pages)]
+    roles = ["input"] * 5 + ["weight"] * n_w + ["state"] * len(pages)
+    moes = [layer.moe for layer in model.m3.layers if hasattr(layer, "moe")]
+    strategies = [m.strategy for m in moes]
     try:
-        module = fx.export_and_import(Forward(), args["input_ids"], args["positions"], md["slot_mapping"],
-                                      md["block_table_tensor"], args["sampling_positions"], *pages,
-                                      output_type="stablehlo", func_name="main")
+        for m in moes:  # torch-mlir lowers neither torch._grouped_mm nor a stable sort: every local expert per token
+            m.strategy = "dense"
+        with torch.no_grad():
+            ep = torch.export.export(Forward(), user, strict=True)
+        from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+
+        _mark_collectives(ep.graph_module)
+        ep = ep.run_decompositions(get_decomposition_table())
+        module = fx.export_and_import(ep, output_type="stablehlo", func_name="main", decomposition_table={})
     finally:
-        m3.register_buffer("inv_freq", inv, persistent=False)
         model.bind_kv_cache({name: list(pair) for name, pair in zip(specs, _pairs(pages))})
-    return str(module)
+        for m, strategy in zip(moes, strategies):
+            m.strategy = strategy
+        for mod in fused.values():
+            mod.__dict__["_fused"] = mod._buffers.pop("_fused")
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    position = {s.arg.name: k for k, s in enumerate(s for s in sig.input_specs if s.kind == InputKind.USER_INPUT)}
+    aliases = {position[s.target]: k for k, s in enumerate(sig.output_specs)
+               if s.kind == OutputKind.USER_INPUT_MUTATION}
+    text = restore_collectives(module.operation.get_asm(enable_debug_info=True, print_generic_op_form=True))
+    ir.Module.parse(text, module.context).operation.verify()  # the restored collectives are well-formed StableHLO
+    return Lowered(text, [{"number": k, "role": r, "name": nm} for k, (r, nm) in enumerate(zip(roles, names))],
+                   aliases)
+
+
+def stablehlo(model: MiniMaxM3ForCausalLM, b: Bucket) -> str:
+    """Bucket ``b``'s forward as StableHLO text (:func:`lower`)."""
+    return lower(model, b).text
 
 
 def _pairs(pages: list) -> list:

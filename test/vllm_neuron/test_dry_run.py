@@ -1,0 +1,81 @@
+"""``minimax-m3 compile --dry-run --route vllm-neuron``: every bucket captured whole, lowered to StableHLO with its
+collectives, costed by ``minimax-m3 graphs`` beside the planner's minimum (the independent count). Rank 0 of TP 2 on
+the tiny synthetic checkpoint, in a subprocess (the dry run joins torch's ``fake`` process group); M3's real widths
+at TP 64 are in docs/results.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch_mlir", reason="torch-mlir is not installed here (scripts/test_vllm_neuron_offdevice.sh)")
+
+
+def _dry_run(ckpt, out, *extra):
+    return subprocess.run([sys.executable, "-m", "minimax_m3.cli", "compile", "--dry-run", "--route", "vllm-neuron",
+                           "--model", str(ckpt), "--tp", "2", "--ep", "2", "--max-seq-len", "2048", "--dtype",
+                           "bfloat16", "--compiled", str(out), *extra], capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+
+    ckpt = write_synthetic(tmp_path_factory.mktemp("m3") / "tiny", "tiny", seed=0)
+    out = tmp_path_factory.mktemp("dry") / "vllm-neuron"
+    r = _dry_run(ckpt, out, "--prefill-chunk", "512", "--batch", "2", "--speculative-tokens", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, json.loads((out / "graphs.json").read_text()), r.stdout
+
+
+def test_every_bucket_is_written_and_costed(report):
+    out, rep, stdout = report
+    man = json.loads((out / "dry_run.json").read_text())
+    got = sorted((g["submodel"], g["batch"], g["tokens"]) for g in man["graphs"])
+    # the plugin's buckets: one 512-token segment; decode batches 1 and 2, each also as a 1 + 2 verify graph
+    assert got == [("context_encoding_model", 1, 512), ("speculation_model", 1, 3), ("speculation_model", 2, 3),
+                   ("token_generation_model", 1, 1), ("token_generation_model", 2, 1)]
+    for g in man["graphs"]:
+        text = (out / g["stablehlo"]).read_text()
+        assert '"func.func"' in text and text.count('"stablehlo.all_reduce"') == 9
+        assert text.count('"stablehlo.all_gather"') == 1 and "m3-collective" not in text.split("#loc = ")[0]
+        roles = [p["role"] for p in g["params"]]
+        assert roles[:5] == ["input"] * 5 and roles.count("state") == 2 * 4 + 2 * 3  # K/V per layer, 3 index specs
+    assert "== token_generation_model  bucket 2048  batch 2 ==" in stdout
+
+
+def test_costs_equal_the_planners_minimum(report):
+    _, rep, _ = report
+    for g in rep["graphs"]:
+        a = g["analytic"]
+        kinds = {(c["kind"], c["group_size"]): c["count"] for c in g["collectives"]}
+        # per layer an all-reduce after attention and one after the MLP / MoE, one for the embedding (the
+        # vocabulary-parallel rows summed), the logits gathered once
+        assert kinds == {("all-reduce", 2): 2 * 4 + 1, ("all-gather", 2): 1}
+        if g["submodel"] == "context_encoding_model":
+            # the last 512-token segment of a 2,048-token prompt: attention over the selected pages only (the segment's
+            # own keys included) and the dense layer's causal keys, in a static graph of every page
+            assert g["flops"]["attention"] <= 1.5 * a["flops"]["attention"]
+            assert g["gathered_kv"] == a["gathered_kv"]
+            continue
+        # decode and verify: each cache read as the paged minimum (the selected pages of each row, its index keys,
+        # the dense layers' pages), no K/V copied
+        for kind in ("kv_dense", "kv_sparse", "index_k"):
+            assert g["bytes_read"][kind] == a["bytes_read"][kind], (g["submodel"], kind)
+        assert g["gathered_kv"] == a["gathered_kv"]
+        assert g["state_copies"]["kv_dense"] == g["state_copies"]["kv_sparse"] == 0
+
+
+def test_bad_buckets_are_one_error(tmp_path):
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+
+    ckpt = write_synthetic(tmp_path / "tiny", "tiny", seed=0)
+    r = _dry_run(ckpt, tmp_path / "out", "--prefill-chunk", "300")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--prefill-chunk 300: the plugin's segments are 512, 1024, 2048, 4096, 8192 tokens" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "minimax_m3.cli", "compile", "--route", "vllm-neuron", "--model",
+                        str(ckpt)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--dry-run only" in r.stderr and "Traceback" not in r.stderr
