@@ -59,10 +59,10 @@ def _tiny_moe_inputs(t=37, seed=0):
     return x, weights, experts, gu, down
 
 
-STRATEGIES = ("grouped", "gather", "loop")
+STRATEGIES = ("grouped", "gather", "loop", "blocks")
 
 
-@pytest.mark.parametrize("t", [1, 3, 37])  # decode-sized (most experts unused) and prefill-sized
+@pytest.mark.parametrize("t", [1, 3, 37, 300])  # decode-sized (most experts unused) and prefill-sized
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_moe_strategies_equal_all_experts(t, strategy):
     assert grouped_mm_available(torch.device("cpu"), torch.float32)
@@ -72,13 +72,24 @@ def test_moe_strategies_equal_all_experts(t, strategy):
     assert (got - oracle).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES + ("dense",))  # dense: what the StableHLO dry run lowers
+@pytest.mark.parametrize("strategy", STRATEGIES + ("dense",))
 def test_expert_ranges_sum_to_the_whole(strategy):
     x, weights, experts, gu, down = _tiny_moe_inputs()
     whole = routed_experts(x, weights, experts, gu, down, TINY, strategy=strategy)
     parts = sum(routed_experts(x, weights, experts, gu[e:e + 2], down[e:e + 2], TINY, first_expert=e,
                                strategy=strategy) for e in range(0, TINY.num_experts, 2))
     assert (parts - whole).abs().max() < 1e-5
+
+
+def test_static_strategy_computes_the_fewest_rows():
+    from minimax_m3.reference.moe import blocks_capacity, static_strategy
+
+    assert static_strategy(1, 4, 128) == "gather"  # 4 rows: each reads its own expert's slice
+    # EP 64 (2 local experts), batch 1: every local expert on the token (2 rows) beats 3 blocks of 8 rows
+    assert blocks_capacity(4, 2) == (1 + 2, 8) and static_strategy(1, 4, 2) == "dense"
+    # tensor-parallel experts (128 local), an 8,192-token segment: 32,768 rows in blocks of 64 (the largest power of
+    # two <= 32,768 / (4 x 128)), at most 512 full blocks + one part-filled per expert: 40,960 rows = 1.25 x the rows
+    assert blocks_capacity(32768, 128) == (512 + 128, 64) and static_strategy(8192, 4, 128) == "blocks"
 
 
 def test_model_flex_prefill_equals_plain(tiny_ckpt):

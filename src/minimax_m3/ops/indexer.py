@@ -16,23 +16,30 @@ import torch.nn.functional as F
 FEW_ROWS = 16
 
 
-def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+def index_block_scores(iq: torch.Tensor, ik, q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
     """Block scores ``[B, G, Tq, ceil(Sk / block_size)]`` (float32).
 
-    ``iq [B, G, Tq, D]`` index queries; ``ik [B, Sk, D]`` index keys of positions ``0..Sk-1``;
-    ``q_pos [B, Tq]`` the queries' positions. Future keys (``t > p``) score ``-inf`` before pooling.
+    ``iq [B, G, Tq, D]`` index queries; ``ik [B, Sk, D]`` index keys of positions ``0..Sk-1``, or a tuple of parts
+    ``[B, Sk, D_i]`` that split ``D`` in order (paged caches hold a key in two halves: their products are summed in
+    float32, never the keys concatenated); ``q_pos [B, Tq]`` the queries' positions. Future keys (``t > p``) score
+    ``-inf`` before pooling.
     """
     b, g, tq, _ = iq.shape
-    sk = ik.shape[1]
+    parts = tuple(ik) if isinstance(ik, (tuple, list)) else (ik,)
+    sk = parts[0].shape[1]
     # the G index heads stacked as rows of one product: the shared index keys are read once, never copied. The
     # product runs in the inputs' dtype (bf16 on device: TensorE's full rate, fp32 accumulation), the scores are
     # then float32; measured against transformers' fp32 products in bf16 runs: the same greedy agreement
     # (docs/results.md "Reference accuracy")
-    rows = iq.reshape(b, g * tq, -1)
-    if g * tq <= FEW_ROWS:
-        scores = torch.matmul(ik, rows.transpose(-1, -2)).transpose(-1, -2).reshape(b, g, tq, sk).float()
-    else:
-        scores = torch.matmul(rows, ik.transpose(-1, -2)).view(b, g, tq, sk).float()
+    rows, scores, d0 = iq.reshape(b, g * tq, -1), None, 0
+    for part in parts:
+        r = rows[..., d0:d0 + part.shape[-1]] if len(parts) > 1 else rows
+        d0 += part.shape[-1]
+        if g * tq <= FEW_ROWS:
+            s = torch.matmul(part, r.transpose(-1, -2)).transpose(-1, -2).reshape(b, g, tq, sk).float()
+        else:
+            s = torch.matmul(r, part.transpose(-1, -2)).view(b, g, tq, sk).float()
+        scores = s if scores is None else scores + s
     k_pos = torch.arange(sk, device=iq.device)
     future = k_pos.view(1, 1, 1, sk) > q_pos.view(b, 1, tq, 1)
     scores = scores.masked_fill(future, float("-inf"))

@@ -323,7 +323,8 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
 
     ``rank`` is the rank's index in the group (an int or a 0-d/1-element tensor: one SPMD graph for all ranks);
     ``group`` its collectives (:class:`Alone` for one rank). ``sel`` with the group's index queries ``iq [B, H, T,
-    Di]`` (the same on every rank of the group) and the prior index keys ``ik_prior [B, S/G, Di]`` makes the layer
+    Di]`` (the same on every rank of the group) and the prior index keys ``ik_prior [B, S/G, Di]`` (or its parts along
+    ``Di``, :func:`~minimax_m3.ops.indexer.index_block_scores`) makes the layer
     sparse; the line's blocks are those of ``ik_prior`` (without a prior, of the call's own keys), and a line of at
     most ``topk`` blocks is attended densely (the indexer would select every block). ``one_gather`` (default:
     ``T == 1``, decode) sends the query heads and the candidates in one all-gather. ``tile``: queries per tile (the
@@ -333,7 +334,8 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
     one_gather = t == 1 if one_gather is None else one_gather
     nblk = 0
     if sel is not None:
-        keys = (ik_prior.shape[1] if ik_prior is not None else act.ik.shape[1]) * g
+        prior = ik_prior[0] if isinstance(ik_prior, (tuple, list)) else ik_prior  # a key in parts: their rows
+        keys = (prior.shape[1] if prior is not None else act.ik.shape[1]) * g
         nblk = -(-keys // sel.block_size)
     cands = blocks = None
     if sel is not None and nblk > sel.topk:

@@ -35,10 +35,67 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_OK[key]
 
 
+STRATEGIES = ("grouped", "gather", "loop", "dense", "blocks")
+
+
+def moe_block(rows: int, n_local: int) -> int:
+    """Rows per block of the ``blocks`` formulation: the largest power of two <= rows / (4 x local experts), within
+    8 .. 128, so the padding bound (one part-filled block per expert) stays about a quarter of the rows."""
+    b = 8
+    while b < 128 and 2 * b <= rows // (4 * n_local):
+        b *= 2
+    return b
+
+
+def blocks_capacity(rows: int, n_local: int) -> tuple[int, int]:
+    """(blocks, rows per block) the ``blocks`` formulation computes for ``rows`` (token, slot) rows: at most
+    ``ceil(rows / block)`` full blocks plus one part-filled block per local expert, whatever the routing."""
+    block = moe_block(rows, n_local)
+    return -(-rows // block) + n_local, block
+
+
+def static_strategy(t: int, k: int, n_local: int) -> str:
+    """The ``static`` choice for a call of ``t`` tokens (a shape, so a compiled graph fixes it): ``gather`` while
+    the ``t x k`` rows are no more than the local experts (each row reads only its expert), else whichever of
+    ``dense`` (``t x E_local`` rows) and ``blocks`` (:func:`blocks_capacity`) computes fewer rows."""
+    if t * k <= n_local:
+        return "gather"
+    n_blocks, block = blocks_capacity(t * k, n_local)
+    return "dense" if t * n_local <= n_blocks * block else "blocks"
+
+
+def _blocks(x, weights, key, gate_up, down, c: M3Config, wide) -> torch.Tensor:
+    """Static shapes, no sort: each (token, slot) row placed in its expert's run of blocks (its rank within the
+    expert from a one-hot running count), one batched product per block with that block's expert's weights gathered,
+    rows read back in (token, slot) order. ``key [T, K]``: the local expert, ``E_local`` for rows routed elsewhere
+    (weight 0). What a graph compiler lowers (StableHLO has no grouped matmul); FLOPs: the capacity of
+    :func:`blocks_capacity`, not every expert on every token."""
+    t, k = key.shape
+    n_local, rows = gate_up.shape[0], t * k
+    n_blocks, block = blocks_capacity(rows, n_local)
+    cap = n_blocks * block
+    key = key.reshape(-1)
+    onehot = torch.nn.functional.one_hot(key, n_local + 1)  # [rows, E + 1]
+    within = ((onehot.cumsum(0) - 1) * onehot).sum(1)  # the row's rank among its expert's rows
+    padded = (onehot[:, :n_local].sum(0) + block - 1) // block * block
+    ends = padded.cumsum(0)
+    dest = torch.where(key < n_local, (ends - padded)[key.clamp(max=n_local - 1)] + within, cap)  # else a spare row
+    xs = x.new_zeros(cap + 1, x.shape[-1]).index_copy(0, dest, x.repeat_interleave(k, dim=0))
+    block_expert = ((torch.arange(n_blocks, device=x.device) * block).unsqueeze(1) >= ends).sum(1)
+    block_expert = block_expert.clamp(max=n_local - 1)  # blocks past the last expert's: zero rows, any weights
+    ys = ops.expert_ffn(xs[:cap].view(n_blocks, block, -1), gate_up.index_select(0, block_expert),
+                        down.index_select(0, block_expert), c.swiglu_alpha, c.swiglu_limit).reshape(cap, -1)
+    mine = (key < n_local).unsqueeze(-1)
+    w = torch.where(key < n_local, weights.reshape(-1), 0.0)
+    contrib = (ys.index_select(0, dest.clamp(max=cap - 1)).to(wide) * w[:, None]).to(x.dtype)
+    return torch.where(mine, contrib, 0.0).view(t, k, -1).sum(dim=1)
+
+
 def pick_strategy(device: torch.device, dtype: torch.dtype, rows: int, n_local: int) -> str:
     """``grouped`` (torch._grouped_mm), ``gather`` (each (token, slot) row multiplies its expert's weights, gathered:
-    reads exactly the chosen experts) or ``loop`` (over the used experts; one host read). ``dense`` (every local
-    expert on every token) is never picked: it is the formulation torch-mlir lowers (the vLLM Neuron dry run)."""
+    reads exactly the chosen experts) or ``loop`` (over the used experts; one host read). Never picked here:
+    ``dense`` (every local expert on every token) and ``blocks`` (static blocks per expert), what a graph compiler
+    lowers; ``static`` picks ``gather`` for decode-sized calls, else ``blocks`` (the vLLM Neuron model's)."""
     if device.type == "cpu" and rows <= n_local:  # CPU's grouped_mm copies every group's weights per call
         return "gather"
     return "grouped" if grouped_mm_available(device, dtype) else "loop"
@@ -51,17 +108,21 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
 
     ``gate_up [E_local, H, 2I_local]`` (gate first), ``down [E_local, I_local, H]``. Each expert's contribution is
     rounded to the activation dtype before the ``k`` contributions of a token are summed, like transformers.
-    ``strategy=None`` picks one with :func:`pick_strategy`; all four give the same sums (tested).
+    ``strategy=None`` picks one with :func:`pick_strategy`; all give the same sums (tested).
     """
     t, k = experts.shape
     n_local = gate_up.shape[0]
     strategy = strategy or pick_strategy(x.device, x.dtype, t * k, n_local)
-    if strategy not in ("grouped", "gather", "loop", "dense"):
-        raise ValueError(f"MoE strategy {strategy!r}; choose grouped, gather, loop or dense")
+    if strategy == "static":
+        strategy = static_strategy(t, k, n_local)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"MoE strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or static")
     wide = torch.promote_types(x.dtype, torch.float32)  # float32 math for bf16; float64 stays float64
     every = first_expert == 0 and n_local == c.num_experts  # no expert parallelism: every slot is local
     local = experts if every else experts - first_expert
     mine = None if every else (local >= 0) & (local < n_local)
+    if strategy == "blocks":
+        return _blocks(x, weights, local if every else torch.where(mine, local, n_local), gate_up, down, c, wide)
     if strategy == "dense":  # every local expert on every token, unchosen ones weighted 0: no sort, static shapes
         w = weights if every else torch.where(mine, weights, 0.0)
         return ops.moe_all_experts(x, w, local.clamp(0, n_local - 1), gate_up, down, c.swiglu_alpha, c.swiglu_limit)

@@ -235,11 +235,7 @@ def lower(model: MiniMaxM3ForCausalLM, b: Bucket) -> Lowered:
     names = ["input_ids", "positions", "slot_mapping", "block_table", "sampling_positions", *weights,
              *(order[id(t)] for t in pages)]
     roles = ["input"] * 5 + ["weight"] * n_w + ["state"] * len(pages)
-    moes = [layer.moe for layer in model.m3.layers if hasattr(layer, "moe")]
-    strategies = [m.strategy for m in moes]
     try:
-        for m in moes:  # torch-mlir lowers neither torch._grouped_mm nor a stable sort: every local expert per token
-            m.strategy = "dense"
         with torch.no_grad():
             ep = torch.export.export(Forward(), user, strict=True)
         from torch_mlir.extras.fx_decomp_util import get_decomposition_table
@@ -249,8 +245,6 @@ def lower(model: MiniMaxM3ForCausalLM, b: Bucket) -> Lowered:
         module = fx.export_and_import(ep, output_type="stablehlo", func_name="main", decomposition_table={})
     finally:
         model.bind_kv_cache({name: list(pair) for name, pair in zip(specs, _pairs(pages))})
-        for m, strategy in zip(moes, strategies):
-            m.strategy = strategy
         for mod in fused.values():
             mod.__dict__["_fused"] = mod._buffers.pop("_fused")
     from torch.export.graph_signature import InputKind, OutputKind

@@ -27,7 +27,6 @@ from torch import nn
 from ..config.m3 import M3Config
 from ..errors import ServingError
 from ..reference.loader import load_model
-from ..reference.moe import grouped_mm_available
 from ..reference.parallel import ShardPlan
 from .contract import KVSpec, LayerSpec, Layout, attention_spec, check_serving, index_spec
 from .paged_cache import PagedCache
@@ -112,16 +111,15 @@ class MiniMaxM3ForCausalLM(nn.Module):
 
     def fix_for_capture(self, device) -> None:
         """The choices a captured forward cannot make, made once the weights are in (outside any graph: the plugin's
-        ``torch.compile`` captures the forward whole): the MoE's formulation — grouped matmuls where the device runs
-        them in bf16 (the only dtype torch's capture of ``_grouped_mm`` takes), else each (token, slot) row with its
-        expert's weights gathered, never the host-side loop — its router's experts by descending score (the top-k
+        ``torch.compile`` captures the forward whole): the MoE's formulation — ``static`` (static shapes, no sort, no
+        grouped matmul: what StableHLO can hold; per bucket, :func:`~minimax_m3.reference.moe.static_strategy`: each
+        decode row with its expert's weights, or every local expert on every token, or rows in per-expert blocks,
+        whichever computes least), never the host-side loop — its router's experts by descending score (the top-k
         torch-mlir lowers to StableHLO) — and the fused input projections (no data-pointer check in the graph)."""
-        grouped = self.layout.dtype == torch.bfloat16 and grouped_mm_available(torch.device(device),
-                                                                               self.layout.dtype)
         for layer in self.m3.layers:
             layer.attn.fix_projections()
             if hasattr(layer, "moe"):
-                layer.moe.strategy = "grouped" if grouped else "gather"
+                layer.moe.strategy = "static"
                 layer.moe.ordered = True
 
     # ---- EAGLE3 target states (the plugin's SupportsEagle3 hooks) -------------------------------------------------

@@ -74,7 +74,7 @@ class Call:
             half = ik.shape[-1] // 2
             write_slots(lo, ik[..., :half].reshape(b * s, 1, half), self.slots)
             write_slots(hi, ik[..., half:].reshape(b * s, 1, half), self.slots)
-            ik_line = torch.cat([Pages(lo, self.table).lines()[:, 0], Pages(hi, self.table).lines()[:, 0]], dim=-1)
+            ik_line = (Pages(lo, self.table).lines()[:, 0], Pages(hi, self.table).lines()[:, 0])  # scored by halves
         q_pos = positions.to(torch.int64)
         return ops.attention_step(q, Pages(cache.k[layer], self.table), Pages(cache.v[layer], self.table), None,
                                   q_pos, q_pos[:, 0], 0, ops.Alone(), cache.config.softmax_scale, sel, iq, ik_line,
