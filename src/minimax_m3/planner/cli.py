@@ -1,7 +1,8 @@
 """``minimax-m3 plan``: the plan of one layout at ``--batch`` / ``--seq`` (its decode ITL estimate, plain and with a
-fused EAGLE3 step, at ``--collective-latency-us`` per collective), the sharded layout's collectives, both
+fused EAGLE3 step, at ``--collective-latency-us`` per collective), the sharded layout's collectives, the three
 layouts side by side for contexts 4K..1M, the largest context and batch that fit, and with ``--speculative K`` the
-projection of speculative decoding (tokens/s per sequence, batch 1-32, acceptance 1.5-3.5)."""
+projection of speculative decoding (tokens/s per sequence, batch 1-32, acceptance 1.5-3.5). ``--layout paged`` is
+the vLLM Neuron model's (``--chunk``: its prefill segment); its TTFT and fused EAGLE3 step are not modelled."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, HBM_BYTES_PER_S, PEAK_FLOPS_PER_S, Itl, collectives, decode_floor_ms, \
     decode_itl, link_seconds, ttft
 from .fit import largest_batch, largest_context
-from .memory import GIB, HBM_PER_RANK_GIB, LAYOUTS, ChunkError, MemoryPlan, PlanError, cache_tokens, plan, \
-    weight_bytes
+from .memory import GIB, HBM_PER_RANK_GIB, LAYOUTS, PAGED, PAGED_SEGMENTS, PAGED_TILE, ChunkError, MemoryPlan, \
+    PlanError, cache_tokens, plan, weight_bytes
 from .speculative import ITL_ACCEPTANCE, ITL_K, M3_DRAFT, format_projection, fused_itl, project
 
 CONTEXTS = (4096, 32768, 131072, 524288, 1048576)
@@ -39,6 +40,9 @@ def _us(latency_s: float) -> str:
 
 
 def format_ttft(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY_S) -> str:
+    if p.layout == PAGED:
+        return (f"TTFT estimate: not covered for the paged layout (planner/cost.py models the sharded layout's calls "
+                f"and the replicated layout's one call, not vLLM Neuron's segments of {p.chunk} tokens)")
     t = ttft(c, p.tp, p.ep, p.seq, p.layout, p.chunk if p.layout == "sharded" else None, p.weights, p.kv_dtype,
              latency_s)
     calls = (f"{t.calls} call{'s' if t.calls > 1 else ''} of {t.chunk} tokens" if p.layout == "sharded" else
@@ -59,12 +63,17 @@ def format_itl(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY
                draft: DraftConfig = M3_DRAFT) -> list[str]:
     """The two ``decode ITL estimate`` lines of a plan: a plain decode step (:func:`.cost.decode_itl`) and a fused
     EAGLE3 step of ``k`` drafts at mean acceptance :data:`.speculative.ITL_ACCEPTANCE` (:func:`.speculative.fused_itl`),
-    per step and per token."""
+    per step and per token; the paged layout's second line says it is not covered."""
     plain = decode_itl(c, p.tp, p.ep, p.batch, cache_tokens(c, p.tp, p.seq, p.layout), p.weights, p.kv_dtype,
                        p.layout, latency_s)
-    fused = fused_itl(c, p.tp, p.ep, p.batch, p.seq, k, p.weights, p.kv_dtype, draft, p.layout, latency_s)
     at = f"at batch {p.batch}, {p.seq} tokens"
-    return [f"decode ITL estimate {at}: {plain.total_s * 1e3:.2f} ms per step = {_itl(plain, latency_s)}",
+    line = f"decode ITL estimate {at}: {plain.total_s * 1e3:.2f} ms per step = {_itl(plain, latency_s)}"
+    if p.layout == PAGED:
+        return [line, "decode ITL estimate, fused EAGLE3 step: not covered for the paged layout (vLLM Neuron drafts "
+                      "in a separate EagleProposer call and this model samples on the host; planner/speculative.py "
+                      "models NxDI's fused step)"]
+    fused = fused_itl(c, p.tp, p.ep, p.batch, p.seq, k, p.weights, p.kv_dtype, draft, p.layout, latency_s)
+    return [line,
             f"decode ITL estimate, fused EAGLE3 step (k={k}, acceptance {ITL_ACCEPTANCE}) {at}: "
             f"{fused.total_s * 1e3:.2f} ms per step, {fused.total_s / ITL_ACCEPTANCE * 1e3:.2f} ms per token = "
             f"{_itl(fused, latency_s)}"]
@@ -74,16 +83,21 @@ def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None,
                 latency_s: float = COLLECTIVE_LATENCY_S, k: int = ITL_K, draft: DraftConfig = M3_DRAFT) -> str:
     gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
     lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={parallel.moe_tp(p.tp, p.ep)}), batch={p.batch}, seq={p.seq}, "
-             f"prefill batch={p.ctx_batch}, weights {p.weights}, KV {p.kv_dtype}, {p.layout} caches; per rank:"]
+             f"prefill batch={p.ctx_batch}, weights {p.weights}, KV {p.kv_dtype}, {p.layout} caches"
+             f"{' (vLLM Neuron)' if p.layout == PAGED else ''}; per rank:"]
     lines.append(f"  weights              {gib(p.weight_bytes)}")
     for name, n in (parts or {}).items():
         lines.append(f"    {name:<19}{gib(n)}")
-    what = f"{p.chunk} queries" if p.layout == "replicated" else f"one call of {p.chunk} tokens"
+    what = {"replicated": f"{p.chunk} queries", "sharded": f"one call of {p.chunk} tokens",
+            PAGED: f"{min(PAGED_TILE, p.chunk)} queries + index-key line"}[p.layout]
+    of = f"activations of one {p.chunk}-token segment" if p.layout == PAGED else "activations"
+    phases = [(name + (f" ({what})" if name.startswith("attention") else ""), n) for name, n in p.phases]
+    width = max(36, *(len(name) + 1 for name, _ in phases))
     lines += [
         f"  KV cache             {gib(p.kv_bytes)}",
         f"  index-K cache        {gib(p.index_k_bytes)}",
-        f"  prefill working mem  {gib(p.prefill_bytes)}  (activations + the larger of:)",
-        *(f"    {name + (f' ({what})' if name.startswith('attention') else ''):<36}{gib(n)}" for name, n in p.phases),
+        f"  prefill working mem  {gib(p.prefill_bytes)}  ({of} + the larger of:)",
+        *(f"    {name:<{width}}{gib(n)}" for name, n in phases),
         f"  runtime reserve      {gib(p.reserve_bytes)}  (assumed)",
         f"  total                {gib(p.total_bytes)}  of {p.hbm_bytes / GIB:.2f} GiB per logical core",
     ]
@@ -121,41 +135,71 @@ def format_collectives(c: M3Config, tp: int, ep: int, batch: int, chunk: int, la
 
 def _cells(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, layout: str, chunk: int | None,
            latency_s: float) -> str:
+    width = 29 if layout == PAGED else 38
     try:
         p = plan(c, tp, ep, batch, seq, layout=layout, chunk=chunk, **kw)
     except ChunkError:
-        return f"{'chunk > context':>38}"
+        return f"{'chunk > context':>{width}}"
+    except PlanError:  # the paged layout refusing the options
+        return f"{_refused(kw):>{width}}"
     floor = decode_floor_ms(c, tp, ep, batch, cache_tokens(c, tp, seq, layout), p.weights, p.kv_dtype, layout)
+    head = f"{p.chunk:>6} " if layout != "replicated" else ""
+    if layout == PAGED:  # no TTFT model
+        return f"{head}{p.total_bytes / GIB:7.2f} {'yes' if p.fits else 'no':>4} {floor:9.2f}"
     t = ttft(c, tp, ep, seq, layout, p.chunk if layout == "sharded" else None, p.weights, p.kv_dtype, latency_s)
-    head = f"{p.chunk:>6} " if layout == "sharded" else ""
     return f"{head}{p.total_bytes / GIB:7.2f} {'yes' if p.fits else 'no':>4} {floor:9.2f} {t.total_s:8.2f}"
 
 
+def _refused(kw: dict) -> str:
+    """What a layout's cell says when :func:`plan` refuses the options (the paged layout: bf16 only today)."""
+    return "bf16 only" if "fp8" in (kw.get("weights"), kw.get("kv_dtype")) else "not served"
+
+
+def _segment(chunk: int | None) -> int | None:
+    """A paged segment to hold at every context: ``chunk`` when it is one of the plugin's segment sizes (a
+    single-shot one, ``--chunk = --seq``, holds at that context only)."""
+    return chunk if chunk in PAGED_SEGMENTS else None
+
+
 def format_table(c: M3Config, tp: int, ep: int, batch: int, kw: dict, chunk: int | None = None,
-                 contexts: tuple[int, ...] = CONTEXTS, latency_s: float = COLLECTIVE_LATENCY_S) -> str:
-    """Both layouts side by side per context: total GiB, fits, decode floor (ms), TTFT (s, prompt = context)."""
+                 contexts: tuple[int, ...] = CONTEXTS, latency_s: float = COLLECTIVE_LATENCY_S,
+                 segment: int | None = None) -> str:
+    """The layouts side by side per context: total GiB, fits, decode floor (ms), TTFT (s, prompt = context; not for
+    the paged layout). ``chunk``: the sharded layout's; ``segment``: the paged layout's."""
     g = tp // c.num_kv_heads if tp > c.num_kv_heads else 1
     lines = [f"batch {batch}, tp {tp} / ep {ep}, {kw.get('weights', 'bf16')} experts, KV {kw.get('kv_dtype', 'bf16')}"
              f", GiB per rank of {kw.get('hbm_gib', HBM_PER_RANK_GIB):.2f}; TTFT of a prompt as long as the context:",
-             f"{'':>8} | {'replicated (GQA copies)':<32} | sharded (caches / {g}, chunked prefill)",
+             f"{'':>8} | {'replicated (GQA copies)':<32} | {f'sharded (caches / {g}, chunked prefill)':<47} | "
+             "paged (vLLM Neuron, segments)",
              f"{'context':>8} | {'GiB':>7} {'fits':>4} {'decode ms':>9} {'TTFT s':>8} | {'chunk':>6} {'GiB':>7} "
-             f"{'fits':>4} {'decode ms':>9} {'TTFT s':>8}"]
+             f"{'fits':>4} {'decode ms':>9} {'TTFT s':>8} | {'seg':>6} {'GiB':>7} {'fits':>4} {'decode ms':>9}"]
     for s in contexts:
         lines.append(f"{_ctx(s):>8} | {_cells(c, tp, ep, batch, s, kw, 'replicated', None, latency_s)} | "
-                     f"{_cells(c, tp, ep, batch, s, kw, 'sharded', chunk, latency_s)}")
+                     f"{_cells(c, tp, ep, batch, s, kw, 'sharded', chunk, latency_s)} | "
+                     f"{_cells(c, tp, ep, batch, s, kw, PAGED, _segment(segment), latency_s)}")
     return "\n".join(lines)
 
 
-def format_largest(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, chunk: int | None = None) -> str:
-    ctx = {lay: largest_context(c, tp, ep, batch, layout=lay, chunk=chunk if lay == "sharded" else None, **kw)
-           for lay in LAYOUTS}
-    bat = {}
+def format_largest(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, chunk: int | None = None,
+                   segment: int | None = None) -> str:
+    """The largest context at ``batch`` and the largest batch at ``seq`` of each layout (``chunk``: the sharded
+    layout's, ``segment``: the paged layout's; a layout the options rule out says why instead)."""
+    chunks = {"replicated": None, "sharded": chunk, PAGED: segment}
+    at_any = {**chunks, PAGED: _segment(segment)}  # the chunks held while the context varies
+    ctx, bat = {}, {}
     for lay in LAYOUTS:
         try:
-            bat[lay] = str(largest_batch(c, tp, ep, seq, layout=lay, chunk=chunk if lay == "sharded" else None, **kw))
+            n = largest_context(c, tp, ep, batch, layout=lay, chunk=at_any[lay], **kw)
+            ctx[lay] = f"{n:,} tokens"
+        except PlanError:  # the paged layout refusing the options
+            ctx[lay] = _refused(kw)
+        try:
+            bat[lay] = str(largest_batch(c, tp, ep, seq, layout=lay, chunk=chunks[lay], **kw))
         except ChunkError:
             bat[lay] = "chunk > context"
-    return (f"largest context at batch {batch}: " + "; ".join(f"{lay} {n:,} tokens" for lay, n in ctx.items())
+        except PlanError:
+            bat[lay] = _refused(kw)
+    return (f"largest context at batch {batch}: " + "; ".join(f"{lay} {n}" for lay, n in ctx.items())
             + f" (the model has {c.max_position_embeddings:,} positions)\n"
             + f"largest batch at {seq:,} tokens: " + "; ".join(f"{lay} {n}" for lay, n in bat.items()))
 
@@ -169,13 +213,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq", type=int, required=True, help="maximum tokens per sequence (prompt + output)")
     ap.add_argument("--layout", choices=LAYOUTS, default="sharded",
                     help="cache layout of the detailed plan (default sharded, the port's; replicated: NxDI's GQA "
-                         "copies)")
+                         "copies; paged: the vLLM Neuron model's pages, prompts in segments)")
     ap.add_argument("--chunk", type=int, default=None,
-                    help="sharded: tokens per prefill call, a multiple of lcm(block, G) (default: chosen)")
+                    help="sharded: tokens per prefill call, a multiple of lcm(block, G) (default: chosen); with "
+                         "--layout paged: the prefill segment, vLLM Neuron's max_num_batched_tokens, one of "
+                         "512..8192 (default 8192, or --seq when shorter)")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="routed-expert weight format")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV and index-K cache dtype")
     ap.add_argument("--ctx-batch", type=int, default=None,
-                    help="replicated: sequences prefilled together (default 1: continuous batching; B: static)")
+                    help="replicated: sequences prefilled together (default 1: continuous batching; B: static; "
+                         "the sharded and paged layouts prefill one)")
     ap.add_argument("--reserve-gib", type=float, default=3.0, help="runtime/scratchpad reserve (default 3)")
     ap.add_argument("--hbm-gib", type=float, default=HBM_PER_RANK_GIB, help="HBM per rank (default 24)")
     ap.add_argument("--config", default=None, help="config.json or checkpoint folder (default: the M3 release)")
@@ -224,17 +271,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         lat = latency_seconds(args.collective_latency_us)
         draft = _draft(args.draft)
-        sharded_chunk = plan(c, args.tp, args.ep, args.batch, args.seq, layout="sharded", chunk=args.chunk,
-                             **kw).chunk
+        segment = args.chunk if args.layout == PAGED else None  # --chunk is the paged layout's segment there
         p = plan(c, args.tp, args.ep, args.batch, args.seq, ctx_batch=args.ctx_batch, layout=args.layout,
-                 chunk=sharded_chunk if args.layout == "sharded" else None, **kw)
+                 chunk=None if args.layout == "replicated" else args.chunk, **kw)
+        shard_chunk = None if args.layout == PAGED else args.chunk
+        sharded_chunk = plan(c, args.tp, args.ep, args.batch, args.seq, layout="sharded", chunk=shard_chunk,
+                             **kw).chunk
         print(format_plan(p, c, weight_bytes(c, args.tp, args.ep, args.weights)[1], lat, args.speculative or ITL_K,
                           draft))
         print()
         print(format_collectives(c, args.tp, args.ep, args.batch, sharded_chunk, lat))
         print()
-        print(format_table(c, args.tp, args.ep, args.batch, kw, args.chunk, latency_s=lat))
-        print(format_largest(c, args.tp, args.ep, args.batch, args.seq, kw, args.chunk))
+        print(format_table(c, args.tp, args.ep, args.batch, kw, shard_chunk, latency_s=lat, segment=segment))
+        print(format_largest(c, args.tp, args.ep, args.batch, args.seq, kw, shard_chunk, segment))
         if args.speculative:
             print()
             rows = project(c, args.tp, args.ep, args.seq, args.speculative, args.weights, args.kv_dtype, draft,

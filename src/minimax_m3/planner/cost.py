@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from ..config import parallel
 from ..config.m3 import M3Config
 from ..ops.step import ONE_GATHER_TOKENS
-from .memory import (BF16, FP32, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens, prefill_tile,
-                     weight_bytes)
+from .memory import (BF16, FP32, HBM_BYTES_PER_S, PAGED, PORT_LAYOUT, PlanError, _heads, cache_tokens,
+                     prefill_tile, weight_bytes)
 
 PEAK_FLOPS_PER_S = 10.7e15 / 64  # dense BF16 per logical core at LNC 2 (perf_anchors §1.1: 10.7 PF per instance)
 LINK_BYTES_PER_S = 1024e9 / 4  # NeuronLink-v3 per logical core (1,024 GB/s per chip within the instance, §1.1)
@@ -68,11 +68,11 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     * index-K: ``batch x bucket / G' x index_head_dim`` per sparse layer (once per row: its queries share the keys);
     * dense layers' K/V: ``batch x bucket / G' x kv_heads x head_dim x 2`` per dense layer (once per row);
 
-    G' = 1 for the ``replicated`` layout, G (each rank reads its 1/G of every block and key, rounded up) for
-    ``sharded`` (the port's). The graph report compares each traced graph against its own layout's. ``dtype_bytes``
-    is the model's element size (4 for a float32 trace): it scales every bf16 weight and, with ``kv_dtype="bf16"``,
-    the caches (fp32 routers and fp8 experts keep their size). The one home of the verify step's minimum: the graph
-    report's and the speculative projection's (:func:`.speculative.target_step`)."""
+    G' = 1 for the ``replicated`` and ``paged`` layouts, G (each rank reads its 1/G of every block and key, rounded
+    up) for ``sharded`` (the port's). The graph report compares each traced graph against its own layout's.
+    ``dtype_bytes`` is the model's element size (4 for a float32 trace): it scales every bf16 weight and, with
+    ``kv_dtype="bf16"``, the caches (fp32 routers and fp8 experts keep their size). The one home of the verify
+    step's minimum: the graph report's and the speculative projection's (:func:`.speculative.target_step`)."""
     w = sum(weights_read(c, tp, ep, batch * tokens, weights, dtype_bytes).values())
     g = parallel.kv_group_size(c, tp) if layout == "sharded" else 1
     kvb = dtype_bytes if kv_dtype == "bf16" else 1
@@ -238,13 +238,17 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
     ``bytes`` (the full buffer on each rank: an all-gather's output, a reduce-scatter's input, an all-reduce's
     buffer, an all-to-all's input) and ``count`` (how many run per pass: the layers it runs in).
 
-    Both layouts: the embedding's all-gather (NxD's embedding is sharded along the hidden size), bf16 ``[T,
-    hidden]``, once per pass; the attention output projection's all-reduce and the MLP's (experts + shared expert,
-    or the dense MLP) over all ``tp`` ranks, bf16 ``[T, hidden]``; the LM head's logits all-gather, bf16 (the
-    model's dtype: the cast to fp32 comes after it) ``[logit_rows, vocab padded to tp]``, once per pass
-    (``logit_rows`` defaults to ``tokens``: a verify step returns every token's logits; a prefill call's is its
-    rows' last tokens). As the traced graphs have them (``test/hlo/test_sharded_graphs.py``,
+    The port's layouts (``sharded``, ``replicated``): the embedding's all-gather (NxD's embedding is sharded along
+    the hidden size), bf16 ``[T, hidden]``, once per pass; the attention output projection's all-reduce and the
+    MLP's (experts + shared expert, or the dense MLP) over all ``tp`` ranks, bf16 ``[T, hidden]``; the LM head's
+    logits all-gather, bf16 (the model's dtype: the cast to fp32 comes after it) ``[logit_rows, vocab padded to
+    tp]``, once per pass (``logit_rows`` defaults to ``tokens``: a verify step returns every token's logits; a
+    prefill call's is its rows' last tokens). As the traced graphs have them (``test/hlo/test_sharded_graphs.py``,
     ``test/hlo/test_verify_graph.py``).
+    ``paged`` (the vLLM Neuron model: the reference's layers, ``reference.parallel``'s collectives): the same two
+    all-reduces per layer; the vocabulary-parallel embedding's all-reduce (bf16 ``[T, hidden]``) instead of an
+    all-gather, and the logits gathered in fp32 (``M3Model.logits`` casts before it gathers) for ``logit_rows`` rows
+    (the forward computes them for vLLM's ``sampling_positions`` only). Nothing else: KV heads replicated per group.
     Sharded, per attention layer, within the G ranks of a KV group (the port's step, ``ops.attention_step``, whose
     ``COLLECTIVES`` names them): the group's query heads all-gathered (bf16 ``[T, qg, d]``), in a decode or verify
     step's sparse layers (fewer than ``ops.step.ONE_GATHER_TOKENS`` tokens per row) packed with the
@@ -272,12 +276,16 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
                           bytes=tokens * iq * g * c.index_topk * 2 * FP32, count=n_sparse)]
         rows.append(dict(name="partial outputs + max + sum", kind="all-to-all", ranks=g, dtype="fp32",
                          bytes=tokens * qg * (d + 2) * FP32, count=grouped))
-    rows = [dict(name="embedding", kind="all-gather", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=1),
+    paged = layout == PAGED
+    logit_bytes = FP32 if paged else BF16
+    rows = [dict(name="embedding", kind="all-reduce" if paged else "all-gather", ranks=tp, dtype="bf16",
+                 bytes=tokens * h * BF16, count=1),
             *rows,
             dict(name="attention output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
             dict(name="MLP / MoE output", kind="all-reduce", ranks=tp, dtype="bf16", bytes=tokens * h * BF16, count=L),
-            dict(name="LM head logits", kind="all-gather", ranks=tp, dtype="bf16",
-                 bytes=(tokens if logit_rows is None else logit_rows) * -(-c.vocab_size // tp) * tp * BF16, count=1)]
+            dict(name="LM head logits", kind="all-gather", ranks=tp, dtype="fp32" if paged else "bf16",
+                 bytes=(tokens if logit_rows is None else logit_rows) * -(-c.vocab_size // tp) * tp * logit_bytes,
+                 count=1)]
     return [r for r in rows if r["ranks"] > 1 and r["count"] > 0]
 
 
@@ -309,7 +317,10 @@ class Ttft:
 def ttft(c: M3Config, tp: int, ep: int, seq: int, layout: str = "sharded", chunk: int | None = None,
          weights: str = "bf16", kv_dtype: str = "bf16", latency_s: float = COLLECTIVE_LATENCY_S) -> Ttft:
     """The TTFT estimate of a ``seq``-token prompt (module docstring). Sharded: ``chunk`` tokens per call (a valid
-    chunk, e.g. ``plan(...).chunk``); replicated: one call of the bucket's tokens (the prompt padded to it)."""
+    chunk, e.g. ``plan(...).chunk``); replicated: one call of the bucket's tokens (the prompt padded to it). Not
+    modelled for the paged layout (its segments' FLOPs and bytes: one :class:`PlanError`)."""
+    if layout == PAGED:
+        raise PlanError("a TTFT estimate is not modelled for the paged layout (the vLLM Neuron model's segments)")
     if layout == "sharded":
         calls = [(k, chunk) for k in range(0, seq, chunk)]
         flops = [sum(chunk_flops(c, tp, ep, k, n, seq).values()) for k, n in calls]

@@ -38,9 +38,11 @@ def _largest(fits, step: int, lo: int, limit: int) -> int:
 
 def largest_context(c: M3Config, tp: int, ep: int, batch: int, limit: int = CONTEXT_LIMIT, **kw) -> int:
     """The largest context (a multiple of the layout's cache multiple) that fits at ``batch``; ``kw`` as
-    :func:`plan` (``layout``, ``chunk``, ``weights``, ...). With a fixed ``chunk`` contexts start at the chunk."""
-    step = cache_multiple(c, tp, kw.get("layout", PORT_LAYOUT))
-    lo = max(step, kw.get("chunk") or step)
+    :func:`plan` (``layout``, ``chunk``, ``weights``, ...). With a fixed sharded ``chunk`` contexts start at the
+    chunk (a paged segment may be longer than the context: the plugin compiles it all the same)."""
+    layout = kw.get("layout", PORT_LAYOUT)
+    step = cache_multiple(c, tp, layout)
+    lo = max(step, kw.get("chunk") or step) if layout == "sharded" else step
     return _largest(lambda s: plan(c, tp, ep, batch, s, **kw).fits, step, lo, limit)
 
 
@@ -58,7 +60,8 @@ def require_fit(c: M3Config, tp: int, ep: int, batch: int, seq: int, **kw) -> Me
         return p
     ctx, bat = largest_context(c, tp, ep, batch, **kw), largest_batch(c, tp, ep, seq, **kw)
     g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
-    calls = f", prefill calls of {p.chunk} tokens" if p.layout == "sharded" else ""
+    calls = {"sharded": f", prefill calls of {p.chunk} tokens",
+             "paged": f", prefill segments of {p.chunk} tokens"}.get(p.layout, "")
     problems = [
         f"batch {batch} x {seq} tokens ({p.layout} caches{calls}, {p.weights} experts) needs "
         f"{g(p.total_bytes)} GiB per rank of {g(p.hbm_bytes)}: weights {g(p.weight_bytes)}, KV {g(p.kv_bytes)}, "

@@ -1,6 +1,6 @@
 """Per-rank HBM of a TP x EP layout: weights, caches, prefill working memory, reserve (what ``plan()`` returns).
 
-Two cache layouts (``LAYOUTS``); G = ``tp / num_kv_heads`` is the group of ranks that share a KV head
+Three cache layouts (``LAYOUTS``); G = ``tp / num_kv_heads`` is the group of ranks that share a KV head
 (``parallel.kv_group_size``; 16 for M3 at TP 64):
 
 * ``replicated`` (the port's ``kv_layout="replicated"``, NxDI's GQA layout): each KV head's K and V stored whole
@@ -11,17 +11,32 @@ Two cache layouts (``LAYOUTS``); G = ``tp / num_kv_heads`` is the group of ranks
   ``p div G``, so K/V and index-K take 1/G per rank; a prompt is prefilled in calls of C tokens (the chunk, a
   multiple of ``lcm(block, G)``, at most the context bucket), each attending to the cache the earlier calls wrote:
   its working memory is that of ONE chunk at any context.
+* ``paged`` (the vLLM Neuron model, ``minimax_m3.vllm_neuron``; docs/vllm_neuron_model.md): vLLM's paged caches,
+  named so after vLLM's own term for them. Per rank the same bytes per token as ``replicated`` (each KV head's K/V on
+  the G ranks of its group, the index keys on every rank: stored as two halves in an index spec's K and V pages), in
+  pages of one index block (128 tokens) that the running requests share: ``batch x seq`` is the tokens summed over
+  them, each request rounded up to whole pages. A prompt is prefilled one request per forward in segments of C tokens
+  (vLLM Neuron's ``max_num_batched_tokens``: one of its segment sizes, :func:`segment_problems`), each reading the
+  pages the earlier ones wrote: the working memory of ONE segment at any context, unlike ``replicated``'s one call
+  of the whole prompt. bf16 routed experts and bf16 pages only (what the model serves today).
 
 Terms, per rank (b batch, S context rounded up to the cache multiple, d head_dim, di index_head_dim, q / kv / iq
 query / KV / index heads of the rank, qg = ``q_per_kv x kv`` query heads of the rank's KV groups, B block, K top-k,
 kB = ceil(B / G) keys per block per rank, k' = min(K, ceil(S / B)) selected blocks, n = ceil(S / B) blocks):
 
-* weights (:func:`weight_bytes`), the same for both layouts;
+* weights (:func:`weight_bytes`), the same for every layout;
 * KV cache ``b x S / G' x L x 2 x kv x d`` and index-K ``b x S / G' x L_sparse x di`` (cache dtype), G' = 1
-  replicated, G sharded (:func:`cache_bytes`);
+  replicated and paged (S in whole pages per request), G sharded (:func:`cache_bytes`);
 * prefill, replicated (T = ctx_batch x S tokens): persistent ``[T, hidden]`` x 4 activations, projections and
   logits (:func:`prefill_persistent_bytes`) plus the larger of one attention query tile
   (:func:`attention_tile_bytes`) and the MoE (:func:`prefill_phases`);
+* prefill, paged (T = C, one request per segment): the same persistent terms for C tokens plus the larger of the
+  MoE for C tokens (:func:`moe_bytes`: the buffers of a blockwise kernel, NxDI's; the model's own formulations are
+  for the graphs, not sized here) and the segment's attention: one query tile of the model's ``attention_tile``
+  (:data:`PAGED_TILE`; a dense read's tile capped as ``ops.step`` caps it, :func:`dense_tile`) against the pages
+  up to S (:func:`attention_tile_bytes`, the replicated layout's tile terms) plus the line it lays end to end
+  (:func:`paged_line_bytes`). A decode step's lines (``b x S`` x the same width: for M3 512 of the pages' 45,312
+  bytes per token) stay below a segment's working memory wherever the pages fit a 24 GiB rank: not counted;
 * prefill, sharded (T = C, one request per call): the same persistent terms for C tokens plus the larger of the
   MoE for C tokens (:func:`moe_bytes`) and the attention of the chunk's C queries against keys up to S
   (:func:`sharded_attention_bytes`): a sparse layer's group queries ``C x qg x d`` (bf16, all-gathered), gathered
@@ -43,6 +58,7 @@ from ..config import parallel
 from ..config.m3 import M3Config
 from ..errors import M3Error
 from ..ops.prefill import PREFILL_TILES, PREFILL_MAX_TILE, tile_for
+from ..ops.step import TILE_ELEMENTS
 
 GIB = 1024 ** 3
 HBM_PER_RANK_GIB = 24.0  # trn2 at LNC=2: one logical core's share of HBM
@@ -51,8 +67,15 @@ INT64 = 8  # block ids of the selection
 FP8 = 1  # e4m3 routed-expert weight; plus an fp32 scale per expert and output channel (checkpoint.fp8_experts)
 HBM_BYTES_PER_S = 725e9  # one logical core's share of trn2 HBM bandwidth at LNC=2 (docs/notes/perf_anchors.md)
 SHARD_ON_I_MULTIPLE = 256  # NxDI SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP (pads I/moe_tp with shard-on-I kernels)
-LAYOUTS = ("replicated", "sharded")
+LAYOUTS = ("replicated", "sharded", "paged")
 PORT_LAYOUT = "sharded"  # what the port runs (neuron.config's kv_layout default): the library's default
+PAGED = "paged"  # the vLLM Neuron model's layout (minimax_m3.vllm_neuron): vLLM's paged caches
+# The vLLM Neuron model's prefill: the plugin's segment sizes and single-shot limit (docs/notes/vllm_neuron_runner.md,
+# "Buckets"; their home: vllm_neuron.dry_run imports them) and a copy of the model's attention tile (the planner may
+# not import vllm_neuron.contract.Layout.tile; test/unit/test_plan_paged.py holds the two equal).
+PAGED_SEGMENTS = (512, 1024, 2048, 4096, 8192)
+PAGED_SINGLE_SHOT = 16384
+PAGED_TILE = 256
 MAX_CHUNK = parallel.MAX_PREFILL_CHUNK  # the default prefill chunk's cap (chunk_choices)
 
 
@@ -81,7 +104,7 @@ class MemoryPlan:
     reserve_bytes: int
     hbm_bytes: int
     notes: tuple[str, ...] = ()
-    chunk: int = 0  # replicated: the port's attention query tile; sharded: tokens per prefill call (C)
+    chunk: int = 0  # replicated: the port's attention query tile; sharded: tokens per prefill call; paged: segment
     phases: tuple[tuple[str, int], ...] = ()  # the two prefill phases (attention, MoE), the larger counted
     layout: str = "replicated"
     group: int = 1  # G: ranks sharing a KV head (the sharded caches are split G ways)
@@ -101,6 +124,30 @@ def _heads(c: M3Config, heads: int, tp: int) -> int:
     if not n:
         raise PlanError(parallel.model_problems(c, tp, 1) or [f"{heads} heads do not fit tp {tp}"])
     return n
+
+
+def segment_problems(seq: int, chunk: int) -> list[str]:
+    """Why the paged layout cannot prefill a ``seq``-token context in segments of ``chunk`` tokens (empty: it can).
+    vLLM Neuron segments a prompt when ``max_num_batched_tokens`` (the segment) is below ``max_model_len``, and then
+    only in one of its segment sizes; a context of at most the single-shot limit may instead be one call (the
+    ``compile --dry-run --route vllm-neuron`` rule)."""
+    if chunk in PAGED_SEGMENTS or chunk == seq <= PAGED_SINGLE_SHOT:
+        return []
+    return [f"prefill segment (--chunk) {chunk}: the paged layout prefills in vLLM Neuron's segments of "
+            f"max_num_batched_tokens tokens, one of {', '.join(map(str, PAGED_SEGMENTS))}, or a whole prompt of at "
+            f"most {PAGED_SINGLE_SHOT} tokens in one call (--chunk = --seq); without --chunk: {PAGED_SEGMENTS[-1]}, "
+            "or --seq when shorter"]
+
+
+def segment_tokens(seq: int, chunk: int | None = None) -> int:
+    """The paged layout's prefill segment: ``chunk`` where :func:`segment_problems` has none (else one
+    :class:`ChunkError`); by default the largest segment, or the whole prompt when ``seq`` is shorter."""
+    if chunk is None:
+        return min(seq, PAGED_SEGMENTS[-1])
+    problems = segment_problems(seq, chunk)
+    if problems:
+        raise ChunkError(problems)
+    return chunk
 
 
 def cache_multiple(c: M3Config, tp: int, layout: str) -> int:
@@ -162,6 +209,25 @@ def cache_bytes(c: M3Config, tp: int, batch: int, seq: int, layout: str = PORT_L
             batch * per_rank * sum(c.sparse_layers) * c.index_head_dim * kvb)
 
 
+def dense_tile(c: M3Config, tp: int, seq: int, tile: int) -> int:
+    """Paged layout: queries per tile of a dense read over ``seq`` keys, ``ops.step.partial_attention``'s rule: at
+    most ``tile``, and the scores of a tile (query heads per KV head x keys) within :data:`ops.step.TILE_ELEMENTS`."""
+    r = _heads(c, c.num_heads, tp) // _heads(c, c.num_kv_heads, tp)
+    return min(tile, max(1, TILE_ELEMENTS // max(1, r * seq)))
+
+
+def paged_line_bytes(c: M3Config, tp: int, rows: int, seq: int, kv_dtype: str = "bf16") -> int:
+    """Paged layout: per-rank bytes a call lays end to end per layer for ``rows`` rows of ``seq`` keys (one layer at a
+    time, the larger of): a sparse layer's index keys, its two halves read through the block table and, as
+    ``vllm_neuron.paged_cache.Call.attend`` does at 26163b6, concatenated (``2 x rows x seq x index_head_dim``); a
+    dense layer's K and V lines (``2 x rows x seq x kv x head_dim``: ``ops.paged.Pages.lines``); in the cache dtype.
+    For M3 at TP 64 both are 512 bytes per key and row."""
+    kvb = BF16 if kv_dtype == "bf16" else 1
+    index = 2 * rows * seq * c.index_head_dim * kvb if any(c.sparse_layers) else 0
+    dense = 2 * rows * seq * _heads(c, c.num_kv_heads, tp) * c.head_dim * kvb if not all(c.sparse_layers) else 0
+    return max(index, dense)
+
+
 def prefill_tile(c: M3Config, seq: int, tiles: int = PREFILL_TILES, max_tile: int = PREFILL_MAX_TILE) -> int:
     """Queries per tile of a ``seq``-token prefill call: the port's own rule (``ops.prefill.tile_for``)."""
     return tile_for(seq, tiles, c.index_block_size, max_tile)
@@ -186,8 +252,8 @@ def chunk_problems(c: M3Config, tp: int, seq: int, chunk: int) -> list[str]:
     return out
 
 
-def attention_tile_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chunk: int | None = None
-                          ) -> dict[str, int]:
+def attention_tile_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chunk: int | None = None,
+                         dense_chunk: int | None = None) -> dict[str, int]:
     """Replicated layout: per-rank bytes one query tile of a one-call prefill creates (its last tile, whose keys
     reach ``seq``), as ``ops.attention_step`` builds it (``tile=chunk`` queries), all counted live at once.
 
@@ -196,13 +262,15 @@ def attention_tile_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chu
     probabilities, ``chunk x topk x block`` per query head; the indexer's chunk-by-keys scores, ``chunk x S``
     (keys padded to whole blocks) per index head in fp32; the pooled block scores ``chunk x S / block`` (fp32) and
     the selection ``chunk x topk`` (int64). Dense layers (NxDI's chunked causal path, no flash kernel): fp32 scores
-    and probabilities ``chunk x S`` per query head and the boolean causal mask ``chunk x S``. Returns the terms
-    of the larger of the two."""
+    and probabilities ``chunk x S`` per query head and the boolean causal mask ``chunk x S`` (``dense_chunk``
+    queries where the dense tile is smaller: the paged layout's, :func:`dense_tile`). Returns the terms of the
+    larger of the two."""
     chunk = prefill_tile(c, seq) if chunk is None else chunk
+    dc = chunk if dense_chunk is None else dense_chunk
     b, bs, k = ctx_batch, c.index_block_size, c.index_topk
     q, kv, iq = _heads(c, c.num_heads, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
     nblk = -(-seq // bs)
-    dense = {"scores and probabilities": b * q * chunk * seq * 2 * FP32, "causal mask": b * chunk * seq}
+    dense = {"scores and probabilities": b * q * dc * seq * 2 * FP32, "causal mask": b * dc * seq}
     if not any(c.sparse_layers) or nblk <= k:
         return dense
     sparse = {
@@ -291,13 +359,19 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
         tokens = chunk
         phases = {"attention": sum(sharded_attention_bytes(c, tp, seq, chunk).values()),
                   "MoE": moe_bytes(c, tp, ep, chunk, moe_block)}
+    elif layout == PAGED:
+        tokens, s = chunk, cache_tokens(c, tp, seq, layout)
+        tile = min(PAGED_TILE, chunk)
+        attention = attention_tile_bytes(c, tp, s, 1, tile, dense_tile(c, tp, s, tile))
+        phases = {"attention tile": sum(attention.values()) + paged_line_bytes(c, tp, 1, s, kv_dtype),
+                  "MoE": moe_bytes(c, tp, ep, chunk, moe_block)}
     else:
         tokens, chunk = ctx_batch * seq, prefill_tile(c, seq, tiles, max_tile)
         phases = prefill_phases(c, tp, ep, seq, ctx_batch, chunk, moe_block)
     prefill = sum(prefill_persistent_bytes(c, tp, tokens, ctx_batch).values()) + max(phases.values())
     notes, g = [], parallel.kv_group_size(c, tp)
     i_tp = c.intermediate_size // parallel.moe_tp(tp, ep)
-    if parallel.moe_tp(tp, ep) > 1 and i_tp % SHARD_ON_I_MULTIPLE:
+    if layout != PAGED and parallel.moe_tp(tp, ep) > 1 and i_tp % SHARD_ON_I_MULTIPLE:
         padded = -(-i_tp // SHARD_ON_I_MULTIPLE) * SHARD_ON_I_MULTIPLE
         notes.append(f"shard-on-I MoE kernels would pad I/moe_tp from {i_tp} to {padded} (not counted above)")
     if layout == "replicated" and tp > c.num_kv_heads:
@@ -305,6 +379,15 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
     if layout == "sharded":
         notes.append(f"K/V and index-K split {g} ways (token p on group rank p mod {g}); prompts prefilled in "
                      f"calls of {chunk} tokens")
+    if layout == PAGED:
+        per_token = sum(cache_bytes(c, tp, 1, c.index_block_size, layout, kv_dtype)) // c.index_block_size
+        s = cache_tokens(c, tp, seq, layout)
+        notes.append(f"vLLM Neuron's pages of {c.index_block_size} tokens, shared by the running requests: "
+                     f"{per_token:,} bytes per token per rank (K/V of {_heads(c, c.num_kv_heads, tp)} KV head per "
+                     f"rank{f', each on {g} ranks' if g > 1 else ''}, index keys as two halves); {batch} x {s:,} = "
+                     f"{batch * s:,} tokens of pages")
+        notes.append(f"prompts prefilled one request per forward in segments of {chunk} tokens "
+                     "(max_num_batched_tokens); a segment's MoE counted as a blockwise kernel's buffers")
     return MemoryPlan(tp, ep, batch, seq, ctx_batch, weights, kv_dtype, w, kv_cache, index_k, prefill, reserve,
                       hbm, tuple(notes), chunk, tuple(phases.items()), layout, g)
 
@@ -324,7 +407,11 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     ``replicated``: the prefill's query chunk follows ``chunks`` / ``max_tile`` (the port's ``prefill_tiles`` /
     ``prefill_max_tile``); ``ctx_batch`` sequences per prefill (1: continuous batching). ``sharded``: prompts
     are prefilled one request per call in calls of ``chunk`` tokens (refused with :class:`ChunkError` when the
-    layout cannot use it); ``None`` picks the largest of :func:`chunk_choices` that fits (else the smallest)."""
+    layout cannot use it); ``None`` picks the largest of :func:`chunk_choices` that fits (else the smallest).
+    ``paged`` (the vLLM Neuron model): ``chunk`` is the prefill segment (:func:`segment_tokens`: one of the plugin's
+    segment sizes, default the largest or the whole prompt below it; else :class:`ChunkError`); bf16 experts and
+    pages only, one request per prefill, the vocabulary split evenly (what the model serves; else
+    :class:`PlanError`)."""
     if weights not in ("bf16", "fp8") or kv_dtype not in ("bf16", "fp8"):
         raise PlanError("weights and kv dtype are bf16 or fp8")
     if layout not in LAYOUTS:
@@ -333,15 +420,32 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
         raise PlanError("tp, ep, batch, seq, tiles, max_tile and moe_block must be positive")
     ctx_batch = 1 if ctx_batch is None else ctx_batch  # what NeuronEngine runs: one request per prefill
     if layout == "replicated" and chunk is not None:
-        raise PlanError("a prefill chunk (tokens per call) is the sharded layout's; the replicated layout "
-                        "prefills a prompt in one call")
+        raise PlanError("a prefill chunk (tokens per call) is the sharded and paged layouts'; the replicated "
+                        "layout prefills a prompt in one call")
     if layout == "sharded" and ctx_batch != 1:
         raise PlanError("the sharded layout prefills one request per call (ctx_batch 1)")
+    if layout == PAGED:
+        problems = [f"{p} (the vLLM Neuron model's tp {tp} / ep_degree {ep})"
+                    for p in parallel.parallel_layout_problems(c, tp, ep, even_vocab=True)]
+        if weights != "bf16":
+            problems.append(f"--weights {weights}: the vLLM Neuron model (paged layout) does not load fp8 routed "
+                            "experts yet (its loader dequantises every checkpoint to bf16); plan it with --weights "
+                            "bf16")
+        if kv_dtype != "bf16":
+            problems.append(f"--kv-dtype {kv_dtype}: the vLLM Neuron model keeps its pages in the model's dtype "
+                            "(vLLM's --kv-cache-dtype auto); plan it with --kv-dtype bf16")
+        if ctx_batch != 1:
+            problems.append(f"--ctx-batch {ctx_batch}: vLLM Neuron prefills one request per forward (its scheduler's "
+                            "max_prefills_per_batch is 1); leave --ctx-batch unset")
+        if problems:
+            raise PlanError(problems)
     _heads(c, c.num_heads, tp)
     args = (c, tp, ep, batch, seq, weights, kv_dtype, ctx_batch, tiles, max_tile, moe_block,
             int(reserve_gib * GIB), int(hbm_gib * GIB), layout)
     if layout == "replicated":
         return _plan(*args, 0)
+    if layout == PAGED:
+        return _plan(*args, segment_tokens(seq, chunk))
     if chunk is not None:
         problems = chunk_problems(c, tp, seq, chunk)
         if problems:

@@ -27,10 +27,9 @@ import torch
 from .._atomic import write_atomic
 from ..config.m3 import ConfigError, M3Config
 from ..errors import M3Error
+from ..planner.memory import PAGED_SEGMENTS, segment_problems
 from .capture import Bucket, capture, lower, rank_model
 
-SEGMENTS = (512, 1024, 2048, 4096, 8192)  # the plugin's segmented-prefill sizes (runner note, "Buckets")
-SINGLE_SHOT = 16384  # the longest max_model_len prefilled in one call
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: torch.bfloat16}
 
 
@@ -45,11 +44,10 @@ def buckets(c: M3Config, max_seq_len: int, max_batch: int, segment: int | None, 
     """The plugin's buckets: one prefill segment size, decode batches 1, 2, 4 .. ``max_batch`` (plus ``1 + drafts``
     verify graphs), all over a table ``cdiv(max_seq_len, block)`` pages wide."""
     width = -(-max_seq_len // c.index_block_size)
-    seg = segment or min(max_seq_len, SEGMENTS[-1])
-    problems = []
-    if seg not in SEGMENTS and not (seg == max_seq_len <= SINGLE_SHOT):
-        problems.append(f"--prefill-chunk {seg}: the plugin's segments are {', '.join(map(str, SEGMENTS))} tokens "
-                        f"(or the whole --max-seq-len up to {SINGLE_SHOT} in one call)")
+    seg = segment or min(max_seq_len, PAGED_SEGMENTS[-1])
+    # the plugin's segment rule, at its one home (the planner's paged layout); here the option is --prefill-chunk
+    problems = [p.replace("--chunk = --seq", "--prefill-chunk = --max-seq-len").replace("--chunk", "--prefill-chunk")
+                for p in segment_problems(max_seq_len, seg)]
     if max_batch < 1:
         problems.append(f"--batch {max_batch}: at least 1")
     if problems:
@@ -108,7 +106,8 @@ def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dt
 
 
 def run(args) -> int:
-    """The CLI: ``--model`` (config.json only), ``--tp``/``--ep`` (default 64/64: trn2.48xlarge at LNC 2),
+    """The CLI: ``--model`` (config.json only), ``--tp`` (default 64: trn2.48xlarge at LNC 2), ``--ep`` (the model's
+    ``ep_degree``, default 1),
     ``--max-seq-len``, ``--batch``, ``--prefill-chunk``, ``--speculative-tokens``, ``--compiled OUT``."""
     problems = []
     try:
@@ -125,7 +124,7 @@ def run(args) -> int:
         except ConfigError as exc:
             problems += exc.problems
             c = None
-    tp, ep = args.tp or 64, args.ep or args.tp or 64
+    tp, ep = args.tp or 64, args.ep or 1  # the model's default ep_degree: tensor-parallel experts
     if problems:
         raise DryRunError(problems)
     plan = buckets(c, args.max_seq_len, args.max_batch or 1, args.prefill_chunk, args.num_speculative_tokens or 0)
