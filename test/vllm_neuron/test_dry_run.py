@@ -47,6 +47,13 @@ def test_every_bucket_is_written_and_costed(report):
     assert "== token_generation_model  bucket 2048  batch 2 ==" in stdout
 
 
+def _by_kind(rows) -> dict:
+    out: dict = {}
+    for r in rows:
+        out[r["kind"]] = out.get(r["kind"], 0) + r["count"]
+    return out
+
+
 def test_costs_equal_the_planners_minimum(report):
     _, rep, _ = report
     for g in rep["graphs"]:
@@ -66,7 +73,9 @@ def test_costs_equal_the_planners_minimum(report):
         for kind in ("kv_dense", "kv_sparse", "index_k"):
             assert g["bytes_read"][kind] == a["bytes_read"][kind], (g["submodel"], kind)
         assert g["gathered_kv"] == a["gathered_kv"]
-        assert g["state_copies"]["kv_dense"] == g["state_copies"]["kv_sparse"] == 0
+        assert g["state_copies"]["kv_dense"] == g["state_copies"]["kv_sparse"] == g["state_copies"]["index_k"] == 0
+        # the planner's count for the paged layout: the same collectives, kind by kind
+        assert _by_kind(g["collectives"]) == _by_kind(a["collectives"]), g["submodel"]
 
 
 def test_bad_buckets_are_one_error(tmp_path):

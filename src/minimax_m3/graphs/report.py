@@ -168,7 +168,8 @@ def analyze_graph(root: Path, man: dict, g: dict, cfg: M3Config) -> dict:
 
 
 def kv_layout(man: dict) -> str:
-    """The traced caches' layout (``sharded`` / ``replicated``; a manifest from before the field: replicated)."""
+    """The traced caches' layout (``sharded`` / ``replicated`` / ``paged``: the vLLM Neuron route's; a manifest from
+    before the field: replicated)."""
     return man["layout"].get("kv_layout", "replicated")
 
 
@@ -209,7 +210,7 @@ def analytic(cfg: M3Config, man: dict, g: dict) -> dict:
                     "collectives": plan.collectives(cfg, tp, ep, batch * t, layout, row_tokens=t)}
         coll = plan.collectives(cfg, tp, ep, batch * g["bucket"], layout, logit_rows=batch, phase="prefill",
                                 chunked=man["layout"].get("chunked", True))
-        if layout == "sharded" or man["layout"].get("paged"):  # a call (segment) of a longer prompt
+        if layout in ("sharded", "paged"):  # a call (a segment) of a longer prompt
             seq = max(man.get("max_length") or g["bucket"], g["bucket"])
             start = seq - g["bucket"]
             flops = {k: v * batch for k, v in plan.chunk_flops(cfg, tp, ep, start, g["bucket"], seq).items()}

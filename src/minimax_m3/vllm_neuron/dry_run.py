@@ -95,7 +95,7 @@ def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dt
             f"{sum(cap.ops().values())} FX ops, StableHLO {len(low.text) / 1e6:.1f} MB in "
             f"{time.perf_counter() - t0:.0f} s")
     manifest = {"format": 1, "port": "vllm-neuron", "route": "torch.compile -> torch-mlir -> StableHLO",
-                "layout": {"tp": tp, "ep": ep, "kv_layout": "replicated", "chunked": True, "paged": True},
+                "layout": {"tp": tp, "ep": ep, "kv_layout": "paged", "chunked": True},
                 "dtype": str(dtype).replace("torch.", ""), "batch_size": rows,
                 "max_length": width * c.index_block_size, "weights": "bf16",
                 "speculation_length": max((b.tokens for b in plan if b.kind == "decode"), default=1),
