@@ -88,3 +88,36 @@ def test_bad_buckets_are_one_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "minimax_m3.cli", "compile", "--route", "vllm-neuron", "--model",
                         str(ckpt)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--dry-run only" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_issue_33_targets_at_m3_widths(tmp_path):
+    """Rank 0 of TP 64 at M3's real widths (1 dense + 1 sparse MoE layer, experts tensor-parallel, the model's
+    default), a 64-page table (8,192 tokens), the last 512-token segment and a decode step, against the planner's
+    paged minimum: routed experts <= 2x the useful FLOPs, attention <= 1.5x the block-sparse FLOPs (the segment's own
+    keys included), decode reads <= 1.1x the paged minimum; static shapes and no host transfer in either module."""
+    from minimax_m3.config import M3Config
+
+    cfg = tmp_path / "m3"
+    cfg.mkdir()
+    c = M3Config().replace(num_layers=2, moe_layers=(False, True), sparse_layers=(False, True))
+    (cfg / "config.json").write_text(json.dumps(c.to_release_dict()))
+    out = tmp_path / "dry"
+    r = subprocess.run([sys.executable, "-m", "minimax_m3.cli", "compile", "--dry-run", "--route", "vllm-neuron",
+                        "--model", str(cfg), "--tp", "64", "--max-seq-len", "8192", "--prefill-chunk", "512",
+                        "--compiled", str(out)], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((out / "graphs.json").read_text())
+    for g in rep["graphs"]:
+        a = g["analytic"]
+        if g["submodel"] == "context_encoding_model":
+            assert g["flops"]["routed_experts"] <= 2.0 * a["flops"]["routed_experts"]
+            assert g["flops"]["attention"] <= 1.5 * a["flops"]["attention"]
+        else:
+            for kind in ("kv_dense", "kv_sparse", "index_k"):
+                assert g["bytes_read"][kind] <= 1.1 * a["bytes_read"][kind], kind
+            assert g["bytes_read"]["weights"] <= 1.1 * a["bytes_read"]["weights"]
+    for g in json.loads((out / "dry_run.json").read_text())["graphs"]:
+        text = (out / g["stablehlo"]).read_text()
+        assert "?x" not in text and "tensor<*" not in text  # static shapes only
+        for op in ("send", "recv", "infeed", "outfeed", "custom_call"):  # nothing leaves the device inside a graph
+            assert f'"stablehlo.{op}"' not in text, op
