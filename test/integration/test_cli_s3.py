@@ -92,7 +92,7 @@ def test_malformed_prompts_file(tiny_ckpt, tmp_path, capsys, bad, needle):
 
 
 def test_longbench_reads_s3_model_and_uploads_its_report(bucket, tmp_path):  # noqa: F811
-    from test.integration.test_longbench_e2e import MAXLEN, PROMPTS, rows
+    from test.integration.test_longbench_e2e import MAX_LEN, MAXLEN, PROMPTS, rows
 
     from minimax_m3.checkpoint.synthetic import write_synthetic
 
@@ -106,7 +106,7 @@ def test_longbench_reads_s3_model_and_uploads_its_report(bucket, tmp_path):  # n
     (lb / "data" / "trec.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows("trec")))
     out = tmp_path / "out"
     assert cli(["longbench", "--model", f"s3://{bucket}/models/tiny", "--data", str(lb / "data"), "--tasks", "trec",
-                "--out", str(out), "--max-seq-len", "256", "--device", "cpu", "--no-progress",
+                "--out", str(out), "--max-seq-len", str(MAX_LEN), "--device", "cpu", "--no-progress",
                 "--cache-dir", str(tmp_path / "cache"), "--upload", f"s3://{bucket}/runs/trec"]) == 0
     back = storage.resolve(f"s3://{bucket}/runs/trec", tmp_path / "cache2", quiet=True)
     assert json.loads((back / "report.json").read_text()) == json.loads((out / "report.json").read_text())

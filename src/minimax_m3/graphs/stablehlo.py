@@ -96,7 +96,8 @@ def _signature(head: str) -> tuple[list[str], list[str]]:
         if depth == 0:
             break
     ins, outs = sig[1:j], sig[j + 1:].strip()
-    assert outs.startswith("->"), head
+    if not outs.startswith("->"):
+        raise StableHloError(f"no result types in: {head.strip()[:160]}")
     outs = outs[2:].strip()
     if outs.startswith("(") and outs.endswith(")"):
         outs = outs[1:-1]
