@@ -72,12 +72,16 @@ def test_readme_compile_line_builds_the_nxdi_config_vllm_neuron_builds_for_the_r
     ours = json.loads(vllm_artifact.vllm_inference_config(spec, vllm_artifact.serving_override(spec)).to_json_string())
 
     # vllm-neuron's side: vLLM's parser and config, then get_neuron_model up to the point where it would compile
+    from vllm.entrypoints.openai.api_server import validate_api_server_args
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+
     serve = cmds["serve"][2:]
-    p = FlexibleArgumentParser()
-    EngineArgs.add_cli_args(p)
+    p = make_arg_parser(FlexibleArgumentParser())  # `vllm serve`'s own: the server's flags and the engine's
     # --swap-space 0: vLLM checks its 4 GiB per rank of CPU swap against this machine's memory (no neuron field)
-    cfg = EngineArgs.from_cli_args(p.parse_args(["--model", str(m3), *serve[1:], "--swap-space", "0"])) \
-        .create_engine_config()
+    served = p.parse_args(["--model", str(m3), *serve[1:], "--swap-space", "0"])
+    validate_parsed_serve_args(served)
+    validate_api_server_args(served)  # the tool-call and reasoning parsers it names are registered (our plugin)
+    cfg = EngineArgs.from_cli_args(served).create_engine_config()
     built = {}
 
     def catch(self, model_path, cls, config, compiled_path):

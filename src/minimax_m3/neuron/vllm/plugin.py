@@ -15,7 +15,9 @@ vLLM and the Neuron SDK importable it
   vllm-neuron read (``num_key_value_heads``, ``head_dim``, ...) at top level and carries the parsed description
   as ``m3``, which NxDI's ``load_pretrained_config`` hands to the port's ``MiniMaxM3InferenceConfig``.
 
-Without vLLM or the SDK it does nothing (and imports neither). What vLLM may ask for that the port cannot do
+With vLLM alone (no SDK needed) it registers MiniMax-M3's tool-call and reasoning parsers as ``minimax_m3``
+(:mod:`.parsers`) where vLLM has none that works. Without vLLM it does nothing (and imports neither vLLM nor the SDK);
+without the SDK it registers nothing else. What vLLM may ask for that the port cannot do
 (prefix caching, chunked prefill, speculation, buckets below --max-model-len, a bad TP/EP split) is refused when
 vllm-neuron builds the NxDI config at start-up (:mod:`minimax_m3.neuron.config`), with the vLLM flag to change. A KV
 connector never reaches that config, so :class:`VllmConfigChecks` refuses it earlier, when vLLM builds its own config
@@ -65,13 +67,27 @@ def register() -> None:
     if not vllm_available():
         log.debug("minimax_m3 vLLM plugin: vLLM not importable, nothing registered")
         return
+    register_chat_parsers()
     if nxdi_model_types() is None:
-        log.info("minimax_m3 vLLM plugin: the Neuron SDK (NxDI) is not importable, nothing registered")
+        log.info("minimax_m3 vLLM plugin: the Neuron SDK (NxDI) is not importable, the model is not registered")
         return
     register_config()
     register_architectures()
     register_config_checks()
     register_nxdi_model()
+
+
+def register_chat_parsers() -> None:
+    """M3's ``minimax_m3`` tool-call and reasoning parsers (:mod:`.parsers`), where vLLM has none that works. A
+    failure is logged, not raised: the model still registers, and ``--tool-call-parser minimax_m3`` then fails at
+    start-up naming the parser."""
+    try:
+        from .parsers import register_parsers
+
+        register_parsers()
+    except Exception as e:  # a vLLM whose parser interfaces moved: the model must still serve
+        log.warning("minimax_m3 vLLM plugin: the minimax_m3 chat parsers were not registered (%s: %s)",
+                    type(e).__name__, e)
 
 
 def register_nxdi_model() -> None:
