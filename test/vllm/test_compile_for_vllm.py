@@ -121,6 +121,8 @@ def test_vllm_neuron_loads_what_compile_wrote_and_compiles_nothing(model, golden
     assert report["tokens"] == golden
     printed = re.search(r"^vllm serve .*$", proc.stdout, re.M)
     assert printed and "--max-num-seqs 4" in printed.group(0) and "--max-model-len 64" in printed.group(0)
+    # M3's tool calls and thinking read by the package's parsers (registered by its plugin; README's serve line)
+    assert "--enable-auto-tool-choice --tool-call-parser minimax_m3 --reasoning-parser minimax_m3" in printed.group(0)
 
 
 def test_vllm_neuron_loads_a_fused_speculation_artifact(model, golden, tmp_path):  # noqa: F811

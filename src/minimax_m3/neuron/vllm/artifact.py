@@ -119,12 +119,16 @@ def vllm_inference_config(spec: EngineSpec, override: dict):
     return cfg
 
 
+# M3's chat format read by the package's parsers (neuron/vllm/parsers.py): tool calls and thinking apart from content
+PARSER_FLAGS = "--enable-auto-tool-choice --tool-call-parser minimax_m3 --reasoning-parser minimax_m3"
+
+
 def serve_command(spec: EngineSpec, override: dict, path: str, name: str = "minimax-m3") -> str:
     """The ``vllm serve`` command line that loads ``path`` (and would build the same config)."""
     return (f"export NEURON_COMPILED_ARTIFACTS={shlex.quote(str(path))}\n"
             f"vllm serve {shlex.quote(str(spec.model))} --served-model-name {name} --dtype {spec.dtype} "
             f"--tensor-parallel-size {spec.tp} --max-model-len {spec.max_seq_len} --max-num-seqs {spec.max_batch} "
-            f"--no-enable-prefix-caching --additional-config "
+            f"--no-enable-prefix-caching {PARSER_FLAGS} --additional-config "
             f"{shlex.quote(json.dumps({'override_neuron_config': override}))}" + _speculative_flag(spec))
 
 
