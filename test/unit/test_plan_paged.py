@@ -49,8 +49,8 @@ def hand_segment_parts(ep: int, seq: int, seg: int = 8192) -> tuple[int, int, in
       keys per query (bf16), fp32 scores and probabilities of them, the indexer's fp32 scores of every key, pooled
       fp32 block scores, an int64 selection of 16) and a dense layer's (fp32 scores and probabilities and a bool
       mask of every key, for min(256, 2^24 / seq) queries: ops.step keeps a dense tile's scores within 2^24), plus
-      the row's index keys laid end to end (two halves and their concatenation: 2 x seq x 128 x bf16; a dense
-      layer's K and V lines are as large: 2 x seq x 1 x 128 x bf16);
+      the larger of the row's lines laid end to end: a dense layer's K and V (2 x seq x 1 x 128 x bf16), not a
+      sparse layer's index keys (their two halves, read apart: seq x 128 x bf16);
     * the MoE: fp32 router logits and scores (128 experts), and blockwise buffers of 512 rows -- ceil(seg x 4 / 512)
       + local experts - 1 blocks -- of tokens in (6144), gate/up (2 x 3072 / moe_tp), out (6144), bf16."""
     t = min(PAGED_TILE, seg)
@@ -74,7 +74,7 @@ def hand_largest_context(ep: int, seg: int = 8192) -> int:
     ``base + attention(S) + S x 45,312`` and ``base + moe + S x 45,312`` within the rank, where at these contexts
     (dense tiles under 2^24 x 9 bytes, below the sparse tile's fixed 272 MB) attention(S) = the sparse tile's
     272,662,528 bytes of gathered K/V, scores and selection + S x (256 x 4 index scores + 256 x 4 / 128 pooled +
-    512 of the index-key line)."""
+    512 of a dense layer's K and V line)."""
     kept, _, moe = hand_segment_parts(ep, 131072, seg)
     t = min(PAGED_TILE, seg)
     fixed = 2 * t * 16 * 128 * D * 2 + t * 16 * 128 * 2 * 4 + t * 16 * 8
@@ -200,7 +200,7 @@ def test_cli_prints_the_layouts_plan(capsys, ep, batch):
     assert _gib(out, "index-K cache") == round(batch * 131072 * INDEX_PER_TOKEN / GIB, 2)
     assert _gib(out, "prefill working mem") == round(hand_segment(ep, 131072) / GIB, 2)
     assert "(activations of one 8192-token segment + the larger of:)" in out
-    assert "attention tile (256 queries + index-key line)" in out
+    assert "attention tile (256 queries + a row's key line)" in out
     total = hand_weights(ep) + batch * 131072 * PAGE_BYTES_PER_TOKEN + hand_segment(ep, 131072) + RESERVE
     assert _gib(out, "total") == round(total / GIB, 2)
     verdict = "FITS: headroom" if total <= RANK else "DOES NOT FIT: short by"

@@ -4,8 +4,7 @@ Written here from what the release's ``chat_template.jinja`` (HF ``MiniMaxAI/Min
 modelscope ms-swift ``swift/template/templates/minimax.py`` (the fixed system block, its thinking instructions and
 the generation-prompt endings; "Reference: tokenizer_config.jinja shipped with MiniMax/MiniMax-M3") and
 ``swift/agent_template/minimax_m3.py`` at fd5711f (the tools section, the ``to_xml`` rendering of call arguments,
-tool responses); the generation-prompt endings agree with the issue 35 tests that render the release file. Not the
-release file itself: where those sources are silent
+tool responses). Not the release file itself: where those sources are silent
 (the newline between an answer and its calls, reasoning kept only after the last user turn) the choice is ours and
 marked in the template. The rendering is graded in test/unit/test_chat_template.py.
 

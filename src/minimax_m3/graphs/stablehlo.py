@@ -164,9 +164,8 @@ class _Reader:
         self.next_id = 1
         self.funcs: dict[str, int] = {}
         self.frames: dict[tuple[str, int, int], int] = {}
-        idx = self.module.stack_frame_index
         self.files, self.fnames = {}, {}
-        self.idx = idx
+        self.idx = self.module.stack_frame_index
 
     # ---- locations -> stack frames ----------------------------------------------------------------------
     def _chain(self, loc: str, depth: int = 0) -> list[tuple[str, int]]:
@@ -379,8 +378,8 @@ def restore_collectives(text: str) -> str:
 
     groups: dict[str, list[int]] = {}
     lines = text.splitlines()
-    for i, ln in enumerate(lines):
-        if MARK not in text or not _OP.match(ln):
+    for i, ln in enumerate(lines if MARK in text else ()):
+        if not _OP.match(ln):
             continue
         mark = mark_of(_strip_loc(ln)[1])
         if mark:

@@ -89,7 +89,7 @@ def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None,
     for name, n in (parts or {}).items():
         lines.append(f"    {name:<19}{gib(n)}")
     what = {"replicated": f"{p.chunk} queries", "sharded": f"one call of {p.chunk} tokens",
-            PAGED: f"{min(PAGED_TILE, p.chunk)} queries + index-key line"}[p.layout]
+            PAGED: f"{min(PAGED_TILE, p.chunk)} queries + a row's key line"}[p.layout]
     of = f"activations of one {p.chunk}-token segment" if p.layout == PAGED else "activations"
     phases = [(name + (f" ({what})" if name.startswith("attention") else ""), n) for name, n in p.phases]
     width = max(36, *(len(name) + 1 for name, _ in phases))

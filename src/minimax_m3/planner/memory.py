@@ -218,12 +218,11 @@ def dense_tile(c: M3Config, tp: int, seq: int, tile: int) -> int:
 
 def paged_line_bytes(c: M3Config, tp: int, rows: int, seq: int, kv_dtype: str = "bf16") -> int:
     """Paged layout: per-rank bytes a call lays end to end per layer for ``rows`` rows of ``seq`` keys (one layer at a
-    time, the larger of): a sparse layer's index keys, its two halves read through the block table and, as
-    ``vllm_neuron.paged_cache.Call.attend`` does at 26163b6, concatenated (``2 x rows x seq x index_head_dim``); a
-    dense layer's K and V lines (``2 x rows x seq x kv x head_dim``: ``ops.paged.Pages.lines``); in the cache dtype.
-    For M3 at TP 64 both are 512 bytes per key and row."""
+    time, the larger of): a sparse layer's index keys, its two halves read through the block table and scored apart
+    (``rows x seq x index_head_dim``); a dense layer's K and V lines (``2 x rows x seq x kv x head_dim``:
+    ``ops.paged.Pages.lines``); in the cache dtype. For M3 at TP 64: 256 and 512 bytes per key and row."""
     kvb = BF16 if kv_dtype == "bf16" else 1
-    index = 2 * rows * seq * c.index_head_dim * kvb if any(c.sparse_layers) else 0
+    index = rows * seq * c.index_head_dim * kvb if any(c.sparse_layers) else 0
     dense = 2 * rows * seq * _heads(c, c.num_kv_heads, tp) * c.head_dim * kvb if not all(c.sparse_layers) else 0
     return max(index, dense)
 

@@ -48,7 +48,7 @@ from .memory import BF16, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens
 M3_DRAFT = DraftConfig(hidden_size=6144, num_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=16384,
                        vocab_size=200064, draft_vocab_size=32000, target_hidden_size=6144)
 ACCEPTANCE = (1.5, 2.0, 2.5, 3.0, 3.5)
-ITL_K, ITL_ACCEPTANCE = 3, 2.5  # the fused step of `minimax-m3 plan`'s ITL line: issue 24's k and mean acceptance
+ITL_K, ITL_ACCEPTANCE = 3, 2.5  # the fused step of `minimax-m3 plan`'s ITL line: 3 drafts, 2.5 accepted on average
 BATCHES = (1, 2, 4, 8, 16, 32)
 # the fused graph's collectives as traced (test/hlo/test_fused_graph.py, TP 64, 2026-12-02). Per draft step: the
 # embedding all-gather, the attention and MLP all-reduces, NxD's distributed argmax (each rank's max and index,

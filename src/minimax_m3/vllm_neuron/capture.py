@@ -202,13 +202,12 @@ def lower(model: MiniMaxM3ForCausalLM, b: Bucket) -> Lowered:
     c = model.config
     specs = [s.name for s in model.get_kv_spec().layers]
     cache = model.cache
-    kv = [p for i in range(c.num_layers) for p in ((f"past_key_values.{2 * i}", cache.k[i]),
-                                                   (f"past_key_values.{2 * i + 1}", cache.v[i]))]
-    ik = [(f"past_key_values.{2 * c.num_layers + j}", t) for j, t in
-          enumerate(t for i in sorted(cache.ik) for t in cache.ik[i])]
-    order = {id(t): name for name, t in kv + ik}
     pages = [t for i in range(c.num_layers)
              for t in ((cache.k[i], cache.v[i]) + (cache.ik[i] if i in cache.ik else ()))]
+    index = [id(t) for i in sorted(cache.ik) for t in cache.ik[i]]
+    order = {id(t): f"past_key_values.{2 * i + j}" for i in range(c.num_layers) for j, t in
+             enumerate((cache.k[i], cache.v[i]))} | {t: f"past_key_values.{2 * c.num_layers + j}"
+                                                     for j, t in enumerate(index)}
     fused = {name: mod for name, mod in model.m3.named_modules() if getattr(mod, "_fused", None) is not None}
     for mod in fused.values():  # the fused input projections (weights the linears view): arguments, not constants
         t = mod.__dict__.pop("_fused")

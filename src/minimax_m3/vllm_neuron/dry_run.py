@@ -27,6 +27,7 @@ import torch
 from .._atomic import write_atomic
 from ..config.m3 import ConfigError, M3Config
 from ..errors import M3Error
+from ..graphs.stablehlo import to_hlo
 from ..planner.memory import PAGED_SEGMENTS, segment_problems
 from .capture import Bucket, capture, lower, rank_model
 
@@ -84,8 +85,6 @@ def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dt
         low = lower(model, b)
         rel = f"{name}/bucket{i}"
         write_atomic(out / "stablehlo" / f"{rel}.mlir", low.text.encode())
-        from ..graphs.stablehlo import to_hlo
-
         write_atomic(out / "hlo" / f"{rel}.hlo", to_hlo(low.text, low.aliases).SerializeToString())
         graphs.append({"submodel": name, "bucket": b.tokens if b.kind == "prefill" else width * c.index_block_size,
                        "batch": b.batch, "tokens": b.tokens, "hlo": f"hlo/{rel}.hlo",
