@@ -27,6 +27,30 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+def post_stream(url: str, body: dict) -> list[dict]:
+    """A streaming post (``"stream": true``): the server-sent events' JSON bodies, in order, ``[DONE]`` left out."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def post_error(url: str, body: dict) -> tuple[int, str]:
+    """The HTTP status and body of a post the server must refuse (fails the test when it answers 200)."""
+    import urllib.error
+
+    try:
+        post(url, body)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    pytest.fail(f"the server answered {body} instead of refusing it")
+
+
 @contextlib.contextmanager
 def serving(cmd: list[str], port: int, env: dict, log_path: Path, cwd=None, timeout: float = 300):
     """Run ``cmd`` (a server on 127.0.0.1:``port``, output to ``log_path``) until its ``/health`` answers; yields, then

@@ -28,6 +28,10 @@ from ..errors import M3Error
 # Single tokens in M3's vocabulary (the toy tokenizer gives each one id): beginning of document, role start, end of
 # turn, the tool-call namespace, thinking, media.
 SPECIAL_TOKENS = ("]~!b[", "]~b]", "[e~[", "]<]minimax[>[", "<mm:think>", "</mm:think>", "]<]image[>[", "]<]video[>[")
+# Of those, the markers the reply's parsers read in the decoded text (vLLM's minimax_m3 reasoning parser works on text
+# and its docstring says the M3 tokenizer has them as "complete vocabulary tokens"): single ids that are not special,
+# so a server that skips special tokens (vLLM's default without tools) keeps them.
+TEXT_MARKERS = ("]<]minimax[>[", "<mm:think>", "</mm:think>")
 THINKING_MODES = ("enabled", "disabled", "adaptive")
 END_OF_TURN = "[e~["
 ROLES = ("system", "developer", "user", "assistant", "ai", "tool")

@@ -2,9 +2,10 @@
 
 Every UTF-8 string (Chinese included) encodes to one token per byte, so encode/decode round-trips exactly.
 Special tokens (pad, bos, eos and four chat markers) take the lowest free ids; the 256 byte tokens follow, then
-MiniMax-M3's special tokens (``chat_template.SPECIAL_TOKENS``: ``]~!b[``, ``]~b]``, ``[e~[``, ``]<]minimax[>[``,
-``<mm:think>``...), one id each. All ids are below ``vocab_size``. The chat template is written beside the tokenizer
-as ``chat_template.jinja``, as the release does. The result loads with ``transformers.AutoTokenizer.from_pretrained``.
+MiniMax-M3's single tokens (``chat_template.SPECIAL_TOKENS``: ``]~!b[``, ``]~b]``, ``[e~[``, ``]<]minimax[>[``,
+``<mm:think>``...), one id each; special except the markers the parsers read in the text (``TEXT_MARKERS``). All
+ids are below ``vocab_size``. The chat template is written beside the tokenizer as ``chat_template.jinja``, as the
+release does. The result loads with ``transformers.AutoTokenizer.from_pretrained``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from .._atomic import atomic_path, write_atomic
 from .chat_template import SPECIAL_TOKENS as M3_SPECIAL_TOKENS
+from .chat_template import TEXT_MARKERS
 
 # A single-user-turn chat format for protocol tests (synthetic checkpoints carry M3's own, chat_template.py); the
 # markers are special tokens, so truncation can never split them.
@@ -77,10 +79,13 @@ def write_toy_tokenizer(
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    specials = [special_text[k] for k in ("pad", "bos", "eos")] + list(_ROLE_MARKERS) + list(M3_SPECIAL_TOKENS)
+    m3_special = [s for s in M3_SPECIAL_TOKENS if s not in TEXT_MARKERS]
+    specials = [special_text[k] for k in ("pad", "bos", "eos")] + list(_ROLE_MARKERS) + m3_special
     from tokenizers import AddedToken
 
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    # single ids, never split, but kept in decoded text when special tokens are skipped (chat_template.TEXT_MARKERS)
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in TEXT_MARKERS])
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +96,7 @@ def write_toy_tokenizer(
         "bos_token": special_text["bos"],
         "eos_token": special_text["eos"],
         "pad_token": special_text["pad"],
-        "additional_special_tokens": list(_ROLE_MARKERS) + list(M3_SPECIAL_TOKENS),
+        "additional_special_tokens": list(_ROLE_MARKERS) + m3_special,
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -34,6 +34,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="write the artifact vllm-neuron 0.4.1 loads from $NEURON_COMPILED_ARTIFACTS (its neuron "
                         "config for --batch as --max-num-seqs and --max-seq-len as --max-model-len, sharded weights) "
                         "and print the matching `vllm serve` command line (README, 'Serving with vLLM')")
+    p.add_argument("--structured-outputs", action="store_true",
+                   help="with --for-vllm: sample on the host so vLLM applies structured outputs' grammar "
+                        "(response_format, tool_choice required or named); without it the build samples on device "
+                        "(vllm-neuron's default) and the server refuses such requests")
     p.add_argument("--dry-run", action="store_true",
                    help="trace every bucket to HLO (NxDI's compile(dry_run=True)), write the modules, the neuronx-cc "
                         "commands, dry_run.json and graphs.json to --compiled, and stop (no weights read)")
@@ -61,7 +65,7 @@ def vllm_spec(args) -> EngineSpec:
     from .vllm import artifact as vllm_artifact
 
     spec = compile_spec(args)
-    return vllm_artifact.vllm_spec(spec, _config(spec.model))
+    return vllm_artifact.vllm_spec(spec, _config(spec.model), getattr(args, "structured_outputs", False))
 
 
 def check_backend(args) -> None:
@@ -112,7 +116,10 @@ def run(args) -> int:
     if getattr(args, "for_vllm", False):
         from .vllm.artifact import compile_for_vllm
 
-        return compile_for_vllm(vllm_spec(args), args.compiled)
+        return compile_for_vllm(vllm_spec(args), args.compiled, structured_outputs=args.structured_outputs)
+    if getattr(args, "structured_outputs", False):
+        raise SpecError(["--structured-outputs applies to --for-vllm builds (vLLM's grammar on host sampling); add "
+                         "--for-vllm or drop it"], source="compile")
     spec = compile_spec(args)
     config = M3Config.from_pretrained(spec.model)  # parsed once, handed down
     spec = spec.validate(config)

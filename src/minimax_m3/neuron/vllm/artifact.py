@@ -48,12 +48,15 @@ def serving_problems(spec: EngineSpec) -> list[str]:
     return out
 
 
-def vllm_spec(spec: EngineSpec, config: M3Config | None) -> EngineSpec:
+def vllm_spec(spec: EngineSpec, config: M3Config | None, structured_outputs: bool = False) -> EngineSpec:
     """compile's spec for serving (``--all-logits`` off unless asked; ``--compiled`` is the output directory, not
     part of the spec), resolved and validated with the serving rules: one error listing every problem."""
     # the directory is where the artifact goes, also in CPU mode (the config only); serving builds no all-logits
     spec = dataclasses.replace(spec, compiled=None, all_logits=False if spec.all_logits is None else spec.all_logits)
     problems = spec.problems(config) + serving_problems(spec.resolve(config))
+    if structured_outputs and spec.fused_speculation:
+        problems.append("--structured-outputs with --fused-speculation: NxDI's fused speculation accepts drafts on "
+                        "the device, where vLLM's grammar never applies; drop one of them")
     if problems:
         raise SpecError(problems, source="compile --for-vllm")
     return spec.resolve(config)
@@ -139,13 +142,15 @@ def _speculative_flag(spec: EngineSpec) -> str:
     return f" --speculative-config {shlex.quote(json.dumps(cfg))}"
 
 
-def compile_for_vllm(spec: EngineSpec, compiled: str | None = None) -> int:
+def compile_for_vllm(spec: EngineSpec, compiled: str | None = None, structured_outputs: bool = False) -> int:
     """NxDI's compile of vllm-neuron's config for the serving ``spec`` (:func:`vllm_spec`) into ``compiled``
     (default: the spec's directory + ``-vllm``); in CPU mode (``--backend neuron-cpu``: no NEFFs) only the config,
-    for the off-device test."""
+    for the off-device test. ``structured_outputs``: sampling on the host, where vLLM applies structured outputs'
+    grammar (:mod:`.structured`); else vllm-neuron's on-device sampling, and the server refuses them."""
     from ..model import NeuronMiniMaxM3ForCausalLM
+    from .structured import HOST_SAMPLING
 
-    override = serving_override(spec)
+    override = {**serving_override(spec), **(HOST_SAMPLING if structured_outputs else {})}
     cfg = vllm_inference_config(spec, override)
     path = compiled or spec.artifact_dir() + "-vllm"
     t0 = time.perf_counter()
@@ -155,6 +160,8 @@ def compile_for_vllm(spec: EngineSpec, compiled: str | None = None) -> int:
         cfg.save(path)  # what compile() writes first; CPU mode compiles no NEFFs
     spec.write_artifact(path, for_vllm=True)
     what = "compiled" if spec.backend == "neuron" else "wrote the neuron config (CPU mode: no NEFFs)"
-    print(f"{what} for vllm-neuron in {time.perf_counter() - t0:.0f} s -> {path}\nserve it with:\n"
-          f"{serve_command(spec, override, path)}")
+    grammar = ("honoured (host sampling: vLLM's grammar on the returned logits)" if structured_outputs else
+               "refused with HTTP 400 (on-device sampling; compile with --structured-outputs to honour them)")
+    print(f"{what} for vllm-neuron in {time.perf_counter() - t0:.0f} s -> {path}\nstructured outputs (response_format, "
+          f"tool_choice required/named): {grammar}\nserve it with:\n{serve_command(spec, override, path)}")
     return 0

@@ -145,6 +145,9 @@ class VllmConfigChecks:
         problems = VllmConfigChecks.problems(vllm_config)
         if problems:
             raise ServingError(problems)
+        from .structured import record
+
+        record(vllm_config)  # whether this build applies structured outputs' grammar (else they are refused)
 
 
 def register_config() -> None:
