@@ -44,18 +44,31 @@ def _params(so):
     return SimpleNamespace(structured_outputs=so)
 
 
-def test_the_guard_is_inert_until_an_m3_build_is_recorded(guard):
-    guard.validate_params(_params({"json": {}}))  # another model on the same installation: nothing refused
+def _vllm_config(additional, procs=None):
+    return SimpleNamespace(additional_config=additional, model_config=SimpleNamespace(logits_processors=procs))
+
+
+def test_the_guard_is_inert_until_an_m3_build_is_installed(guard):
+    guard.validate_params(_params({"json": {}}))  # nothing recorded: nothing refused
+
+
+def test_install_adds_the_guard_once_beside_the_users_processors():
+    cfg = _vllm_config({}, ["user.mod:Proc"])
+    structured.install(cfg)
+    structured.install(cfg)
+    assert cfg.model_config.logits_processors == ["user.mod:Proc", structured.GUARD]
+    module, name = structured.GUARD.split(":")
+    assert getattr(__import__(module, fromlist=[name]), name) is structured.StructuredOutputGuard
 
 
 def test_an_on_device_build_refuses_a_grammar_naming_the_fix(guard):
-    structured.record(SimpleNamespace(additional_config={}))
+    structured.install(_vllm_config({}))
     guard.validate_params(_params(None))  # no grammar: served
     with pytest.raises(ValueError, match=r"samples on device.*compile --for-vllm --structured-outputs"):
         guard.validate_params(_params({"json": {}}))
 
 
 def test_a_host_sampling_build_serves_a_grammar(guard):
-    structured.record(SimpleNamespace(additional_config={"override_neuron_config": structured.HOST_SAMPLING}))
+    structured.install(_vllm_config({"override_neuron_config": structured.HOST_SAMPLING}))
     guard.validate_params(_params({"json": {}}))
     assert structured.StructuredOutputGuard().apply("logits") == "logits"  # it never changes logits

@@ -162,3 +162,44 @@ def test_written_down_rules_equal_vllm_neurons_functions(nxdi, override, seqs):
     theirs, ours = vllm_neuron_config(**kw), vllm_neuron_config(**kw, use_vllm_neuron=False)
     assert vars(theirs.pop("on_device_sampling_config")) == vars(ours.pop("on_device_sampling_config"))
     assert theirs == ours
+
+
+def _compile(checkpoint, *args, cwd=REPO):
+    """``minimax-m3 compile --backend neuron-cpu --for-vllm ...`` in a process of its own (NxDI through the
+    stand-ins), as a user runs it."""
+    code = ("import sys, m3_vllm_standin_platform; m3_vllm_standin_platform.setup(); "
+            "from minimax_m3.cli import main; sys.exit(main(['compile'] + sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, "--backend", "neuron-cpu", "--model", checkpoint, "--dtype",
+                           "float32", "--batch", "2", "--max-seq-len", "64", "--context-buckets", "16,32,64",
+                           "--token-buckets", "64", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_structured_outputs_build_samples_on_the_host_and_prints_its_serve_line(model, tmp_path):  # noqa: F811
+    """``--structured-outputs``: the artifact's neuron config samples on the host (so vllm-neuron applies vLLM's
+    grammar), the printed serve line carries the same override, and the server's guard reads the artifact as a
+    host-sampling build; the default build reads as on-device (its guard refuses grammars)."""
+    from minimax_m3.neuron.vllm.structured import samples_on_device
+
+    proc = _compile(model, "--for-vllm", "--structured-outputs", "--compiled", str(tmp_path / "host"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    nc = json.loads((tmp_path / "host" / "neuron_config.json").read_text())["neuron_config"]
+    assert nc["on_device_sampling_config"] is None
+    line = re.search(r"^vllm serve .*$", proc.stdout, re.M).group(0)
+    override = json.loads(shlex.split(line)[shlex.split(line).index("--additional-config") + 1])
+    assert override["override_neuron_config"]["on_device_sampling_config"] is None
+    assert "structured outputs (response_format, tool_choice required/named): honoured" in proc.stdout
+    assert samples_on_device(None, str(tmp_path / "host")) is False
+    proc = _compile(model, "--for-vllm", "--compiled", str(tmp_path / "ods"))
+    assert proc.returncode == 0 and "refused with HTTP 400" in proc.stdout, proc.stderr[-3000:]
+    assert samples_on_device(None, str(tmp_path / "ods")) is True
+
+
+@pytest.mark.parametrize("args,want", [
+    (["--structured-outputs"], "--structured-outputs applies to --for-vllm builds"),
+    (["--for-vllm", "--structured-outputs", "--draft", "DRAFT", "--speculative-tokens", "3", "--fused-speculation",
+      "--on-device-sampling"], "--structured-outputs with --fused-speculation"),
+])
+def test_structured_outputs_a_build_cannot_honour_is_refused_naming_the_option(model, tmp_path, args, want):  # noqa: F811
+    proc = _compile(model, *args, "--compiled", str(tmp_path / "x"))
+    assert proc.returncode != 0 and want in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "x").exists()

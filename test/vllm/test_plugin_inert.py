@@ -71,10 +71,17 @@ def test_kv_connector_and_kv_offloading_are_one_error_naming_the_flag():
 
     from minimax_m3.neuron.vllm.plugin import VllmConfigChecks
 
-    plain = NS(kv_transfer_config=None, cache_config=NS(kv_offloading_backend=None))
+    from minimax_m3.neuron.vllm.structured import GUARD
+
+    def model():
+        return NS(logits_processors=None)
+
+    plain = NS(kv_transfer_config=None, cache_config=NS(kv_offloading_backend=None), model_config=model(),
+               additional_config={})
     VllmConfigChecks.verify_and_update_config(plain)  # nothing to refuse
-    VllmConfigChecks.verify_and_update_config(NS(kv_transfer_config=NS(kv_connector=None),
-                                                 cache_config=NS(kv_offloading_backend=None)))
+    assert plain.model_config.logits_processors == [GUARD]  # the structured-outputs guard (test_agentic_serve.py)
+    VllmConfigChecks.verify_and_update_config(NS(kv_transfer_config=NS(kv_connector=None), model_config=model(),
+                                                 cache_config=NS(kv_offloading_backend=None), additional_config={}))
     for cfg, flag in ((NS(kv_transfer_config=NS(kv_connector="NixlConnector"), cache_config=plain.cache_config),
                        "--kv-transfer-config"),
                       (NS(kv_transfer_config=None, cache_config=NS(kv_offloading_backend="native")),

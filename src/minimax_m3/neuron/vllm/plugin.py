@@ -145,9 +145,9 @@ class VllmConfigChecks:
         problems = VllmConfigChecks.problems(vllm_config)
         if problems:
             raise ServingError(problems)
-        from .structured import record
+        from .structured import install
 
-        record(vllm_config)  # whether this build applies structured outputs' grammar (else they are refused)
+        install(vllm_config)  # structured outputs refused where this build would ignore their grammar
 
 
 def register_config() -> None:

@@ -14,12 +14,13 @@ device (``_get_default_neuron_config``), and so does every build ``compile --for
   one message naming the fix; the server keeps serving.
 
 How the refusal reaches vLLM without patching it or vllm-neuron: :class:`StructuredOutputGuard` is a vLLM logits
-processor installed through the ``vllm.logits_processors`` entry point. vLLM loads every such processor in each
-process and calls its ``validate_params`` on every request's sampling parameters in the API server, before the
-request reaches the engine (``OpenAIServingChat`` / ``OpenAIServingCompletion``: ``validate_logits_processors_
-parameters``; a ``ValueError`` there is a 400). Its ``apply`` changes nothing. Which build this server runs is read
-when vLLM builds its config (the plugin's ``VllmConfigChecks``, M3's architectures only: :func:`record`), so the guard
-is inert for every other model served by the same installation.
+processor that :func:`install` adds to the model config's ``logits_processors`` when vLLM builds its config for one
+of M3's architectures (the plugin's ``VllmConfigChecks``: vLLM's per-architecture config hook). vLLM calls each such
+processor's ``validate_params`` on every request's sampling parameters in the API server, before the request reaches
+the engine (``OpenAIServingChat`` / ``OpenAIServingCompletion``: ``validate_logits_processors_parameters``; a
+``ValueError`` there is a 400). Its ``apply`` changes nothing (vllm-neuron 0.4.1 builds no logits processors). Not an
+installed ``vllm.logits_processors`` entry point: vLLM would load that for every model of the installation, and vLLM
+>= 0.24 counts any such plugin as a feature its V2 model runner lacks.
 """
 
 from __future__ import annotations
@@ -59,8 +60,21 @@ def samples_on_device(additional_config: dict | None, artifacts: str | None = No
     return True
 
 
+GUARD = f"{__name__}:StructuredOutputGuard"  # vLLM's "module:Class" form, loadable in every process
+
+
+def install(vllm_config) -> None:
+    """Called by the plugin's config hook for M3's architectures: records what this build can honour and adds the
+    guard to the model config's logits processors (once)."""
+    record(vllm_config)
+    model_config = vllm_config.model_config
+    procs = list(model_config.logits_processors or [])
+    if GUARD not in procs and StructuredOutputGuard not in procs:
+        model_config.logits_processors = procs + [GUARD]
+
+
 def record(vllm_config) -> None:
-    """Called by the plugin's config hook for M3's architectures: what this process's build can honour."""
+    """What this process's build can honour (:func:`samples_on_device`)."""
     global _refusal
     on_device = samples_on_device(getattr(vllm_config, "additional_config", None),
                                   os.environ.get("NEURON_COMPILED_ARTIFACTS"))
