@@ -51,6 +51,36 @@ def post_error(url: str, body: dict) -> tuple[int, str]:
     pytest.fail(f"the server answered {body} instead of refusing it")
 
 
+def _reasoning(d: dict) -> str | None:
+    """A message's or delta's thinking: ``reasoning_content`` (vLLM 0.13, beside its copy ``reasoning``) or
+    ``reasoning`` (vLLM >= 0.24 dropped the old name)."""
+    r = d.get("reasoning_content")
+    return d.get("reasoning") if r is None else r
+
+
+def chat_turn(url: str, body: dict, stream: bool = False) -> tuple:
+    """``(reasoning, content, [(name, args)], finish_reason)`` of a chat completion at ``url`` (``.../v1``), streamed
+    or not; a streamed one is assembled from its deltas (tool calls by index, arguments parsed as JSON)."""
+    if not stream:
+        choice = post(f"{url}/chat/completions", body)["choices"][0]
+        msg = choice["message"]
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls") or []]
+        return _reasoning(msg) or None, msg.get("content") or None, calls, choice["finish_reason"]
+    reasoning, content, calls, finish = "", "", {}, None
+    for event in post_stream(f"{url}/chat/completions", body):
+        choice = event["choices"][0]
+        delta = choice["delta"]
+        reasoning += _reasoning(delta) or ""
+        content += delta.get("content") or ""
+        for tc in delta.get("tool_calls") or []:
+            c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            c["name"] += (tc.get("function") or {}).get("name") or ""
+            c["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+        finish = choice.get("finish_reason") or finish
+    calls = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+    return reasoning or None, content or None, calls, finish
+
+
 @contextlib.contextmanager
 def serving(cmd: list[str], port: int, env: dict, log_path: Path, cwd=None, timeout: float = 300):
     """Run ``cmd`` (a server on 127.0.0.1:``port``, output to ``log_path``) until its ``/health`` answers; yields, then
