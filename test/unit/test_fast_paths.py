@@ -82,7 +82,7 @@ def test_expert_ranges_sum_to_the_whole(strategy):
 
 
 def test_static_strategy_computes_the_fewest_rows():
-    from minimax_m3.reference.moe import blocks_capacity, static_strategy
+    from minimax_m3.ops.moe import blocks_capacity, static_strategy
 
     assert static_strategy(1, 4, 128) == "gather"  # 4 rows: each reads its own expert's slice
     # EP 64 (2 local experts), batch 1: every local expert on the token (2 rows) beats 3 blocks of 8 rows

@@ -51,16 +51,28 @@ def hand_segment_parts(ep: int, seq: int, seg: int = 8192) -> tuple[int, int, in
       mask of every key, for min(256, 2^24 / seq) queries: ops.step keeps a dense tile's scores within 2^24), plus
       the larger of the row's lines laid end to end: a dense layer's K and V (2 x seq x 1 x 128 x bf16), not a
       sparse layer's index keys (their two halves, read apart: seq x 128 x bf16);
-    * the MoE: fp32 router logits and scores (128 experts), and blockwise buffers of 512 rows -- ceil(seg x 4 / 512)
-      + local experts - 1 blocks -- of tokens in (6144), gate/up (2 x 3072 / moe_tp), out (6144), bf16."""
+    * the MoE as the model's static formulation computes it: fp32 router logits and scores (128 experts), then for
+      seg x 4 rows over the rank's local experts (2 at ep 64 with I = 3072; 128 at ep 1 with I = 48) either every
+      local expert on every token (gate/up 2I, activation I, out 6144 per token and expert, bf16) or blocks of b rows
+      (b the largest power of two in 8..128 with 2b <= rows / (4 x local); ceil(rows / b) + local blocks): the
+      placed rows plus a spare (6144), each block's gathered expert weights (3 x 6144 x I), gate/up, activation and
+      out per placed row (3I + 6144), bf16, and the rows read back in fp32 and bf16 (6144 x 6 bytes each) --
+      whichever computes fewer rows (ep 64: every expert; ep 1: blocks)."""
     t = min(PAGED_TILE, seg)
     kept = 4 * seg * H * 2 + seg * (4 * D + 2 * DI) * 2 + VOCAB_RANK * 4
     sparse = 2 * t * 16 * 128 * D * 2 + t * 16 * 128 * 2 * 4 + t * seq * 4 + t * (seq // 128) * 4 + t * 16 * 8
     td = min(t, (1 << 24) // seq)
     attention = max(sparse, td * seq * 2 * 4 + td * seq) + 2 * seq * DI * 2
-    local, moe_tp = {64: (2, 1), 1: (128, 64)}[ep]
-    rows = (-(-seg * 4 // 512) + local - 1) * 512
-    moe = 2 * seg * 128 * 4 + rows * (2 * H + 2 * 3072 // moe_tp) * 2
+    local, i = {64: (2, 3072), 1: (128, 48)}[ep]
+    rows, b = seg * 4, 8
+    while b < 128 and 2 * b <= rows // (4 * local):
+        b *= 2
+    n = -(-rows // b) + local
+    if seg * local <= n * b:
+        work = local * seg * (3 * i + H) * 2
+    else:
+        work = ((n * b + 1) * H + n * 3 * H * i + n * b * (3 * i + H)) * 2 + rows * H * 6
+    moe = 2 * seg * 128 * 4 + work
     return kept, attention, moe
 
 
@@ -122,11 +134,12 @@ def test_one_segments_working_memory_by_hand(ep, seq):
 
 
 def test_figures_at_128k():
-    """What docs/vllm_neuron_model.md quotes: at batch 1 / 128K the bf16 model fits at ep 64 (MoE 1.15 GiB) and
-    misses at ep 1 (the blockwise buffers of 128 local experts, 2.26 GiB); batch 8 needs 44.25 GiB of pages."""
+    """What docs/vllm_neuron_model.md quotes: at batch 1 / 128K the bf16 model fits at ep 64 (MoE 0.48 GiB: every
+    token through both local experts) and misses at ep 1 (blocks over 128 local experts, each block's expert weights
+    copied: 3.14 GiB); batch 8 needs 44.25 GiB of pages."""
     ep64, ep1 = plan(M3, 64, 64, 1, 131072, layout=PAGED), plan(M3, 64, 1, 1, 131072, layout=PAGED)
     assert ep64.fits and not ep1.fits
-    assert [f"{x.total_bytes / GIB:.2f}" for x in (ep64, ep1)] == ["22.96", "24.08"]
+    assert [f"{x.total_bytes / GIB:.2f}" for x in (ep64, ep1)] == ["22.29", "24.95"]
     assert not plan(M3, 64, 64, 8, 131072, layout=PAGED).fits
     assert largest_batch(M3, 64, 64, 131072, layout=PAGED) == 1 and largest_batch(M3, 64, 1, 131072,
                                                                                   layout=PAGED) == 0
@@ -135,7 +148,7 @@ def test_figures_at_128k():
 @pytest.mark.parametrize("ep", [1, 64])
 def test_largest_context_by_hand(ep):
     n = largest_context(M3, 64, ep, 1, layout=PAGED)
-    assert n == hand_largest_context(ep) == {64: 155_520, 1: 129_152}[ep]
+    assert n == hand_largest_context(ep) == {64: 171_008, 1: 108_544}[ep]
     assert plan(M3, 64, ep, 1, n, layout=PAGED).fits and not plan(M3, 64, ep, 1, n + 128, layout=PAGED).fits
     # the pages are one pool: 8 requests fit about an eighth each
     assert largest_context(M3, 64, ep, 8, layout=PAGED) * 8 <= n
@@ -145,12 +158,12 @@ def test_largest_context_by_hand(ep):
 
 def test_the_docs_192k_reconciled():
     """docs/vllm_neuron_model.md had "about 192,000 tokens": (24 - 12.90 - 3) GiB / 45,312 bytes, before the
-    segment's working memory; with it the planner's figure is 155,520 (ep 64) and the doc says so."""
+    segment's working memory; with it the planner's figure is 171,008 (ep 64) and the doc says so."""
     assert (RANK - hand_weights(64) - RESERVE) // PAGE_BYTES_PER_TOKEN // 1000 == 192
     from pathlib import Path
 
     doc = (Path(__file__).parents[2] / "docs" / "vllm_neuron_model.md").read_text()
-    assert "155,520" in doc and "129,152" in doc and "minimax-m3 plan --tp 64 --ep 64 --batch 1 --seq 131072 " \
+    assert "171,008" in doc and "108,544" in doc and "minimax-m3 plan --tp 64 --ep 64 --batch 1 --seq 131072 " \
         "--layout paged" in doc
 
 
@@ -225,9 +238,9 @@ def test_cli_prints_the_layouts_plan(capsys, ep, batch):
 
 
 def test_cli_largest_context_at_batch_1(capsys):
-    _, out = _run(capsys, "--tp", "64", "--ep", "64", "--batch", "1", "--seq", "155520", "--layout", "paged")
-    assert "FITS" in out and "paged 155,520 tokens" in out
-    rc, out = _run(capsys, "--tp", "64", "--ep", "64", "--batch", "1", "--seq", "155648", "--layout", "paged")
+    _, out = _run(capsys, "--tp", "64", "--ep", "64", "--batch", "1", "--seq", "171008", "--layout", "paged")
+    assert "FITS" in out and "paged 171,008 tokens" in out
+    rc, out = _run(capsys, "--tp", "64", "--ep", "64", "--batch", "1", "--seq", "171136", "--layout", "paged")
     assert rc == 1 and "DOES NOT FIT" in out
 
 
@@ -271,9 +284,9 @@ def test_bad_input(capsys):
     assert rc == 0 and "paged bf16 only" in out and out.count("bf16 only") == 7  # 5 table rows + 2 largest lines
     # --chunk of the sharded layout is not the paged layout's segment (and vice versa)
     rc, out = _run(capsys, "--batch", "1", "--seq", "131072", "--chunk", "16384")
-    assert rc == 0 and "paged 155,520 tokens" in out
+    assert rc == 0 and "paged 171,008 tokens" in out
     rc, out = _run(capsys, "--batch", "1", "--seq", "12288", "--layout", "paged", "--chunk", "12288")
-    assert rc == 0 and "activations of one 12288-token segment" in out and "paged 155,520 tokens" in out
+    assert rc == 0 and "activations of one 12288-token segment" in out and "paged 171,008 tokens" in out
 
 
 def test_constants_are_the_vllm_neuron_models():

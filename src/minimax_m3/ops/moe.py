@@ -51,3 +51,32 @@ def moe_all_experts(
     y = torch.einsum("eti,eih->eth", swiglu_oai(gate, upv, alpha, limit), down)
     comb = combine_matrix(weights, experts, gate_up.shape[0]).to(y.dtype)
     return torch.einsum("te,eth->th", comb, y)
+
+
+# The static formulations' shapes (no sort, no grouped matmul: what a graph compiler lowers), one home: the
+# reference's ``static`` strategy runs them, the planner sizes them (``planner.memory.static_moe_bytes``).
+
+def moe_block(rows: int, n_local: int) -> int:
+    """Rows per block of the ``blocks`` formulation: the largest power of two <= rows / (4 x local experts), within
+    8 .. 128, so the padding bound (one part-filled block per expert) stays about a quarter of the rows."""
+    b = 8
+    while b < 128 and 2 * b <= rows // (4 * n_local):
+        b *= 2
+    return b
+
+
+def blocks_capacity(rows: int, n_local: int) -> tuple[int, int]:
+    """(blocks, rows per block) the ``blocks`` formulation computes for ``rows`` (token, slot) rows: at most
+    ``ceil(rows / block)`` full blocks plus one part-filled block per local expert, whatever the routing."""
+    block = moe_block(rows, n_local)
+    return -(-rows // block) + n_local, block
+
+
+def static_strategy(t: int, k: int, n_local: int) -> str:
+    """The ``static`` choice for a call of ``t`` tokens (a shape, so a compiled graph fixes it): ``gather`` while
+    the ``t x k`` rows are no more than the local experts (each row reads only its expert), else whichever of
+    ``dense`` (``t x E_local`` rows) and ``blocks`` (:func:`blocks_capacity`) computes fewer rows."""
+    if t * k <= n_local:
+        return "gather"
+    n_blocks, block = blocks_capacity(t * k, n_local)
+    return "dense" if t * n_local <= n_blocks * block else "blocks"

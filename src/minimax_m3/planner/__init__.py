@@ -30,7 +30,7 @@ from .memory import (BF16, FP8, FP32, GIB, HBM_BYTES_PER_S, HBM_PER_RANK_GIB, IN
                      MemoryPlan, PlanError, attention_tile_bytes, cache_bytes, cache_multiple, cache_tokens,
                      dense_tile, chunk_choices, chunk_problems, moe_bytes, paged_line_bytes, plan, prefill_tile,
                      prefill_persistent_bytes, prefill_phases, segment_problems, segment_tokens,
-                     sharded_attention_bytes, weight_bytes)
+                     sharded_attention_bytes, static_moe_bytes, weight_bytes)
 
 __all__ = [
     "ACCEPTANCE", "M3_DRAFT", "Projection", "StepCost", "draft_heads", "draft_part", "draft_reads",
@@ -42,5 +42,6 @@ __all__ = [
     "collectives", "decode_floor_ms", "decode_minimum_bytes", "dense_tile", "format_plan", "largest_batch",
     "largest_context", "link_seconds", "main", "moe_bytes", "paged_line_bytes", "plan", "prefill_tile",
     "prefill_flops", "prefill_persistent_bytes", "prefill_phases", "register", "require_fit", "run",
-    "segment_problems", "segment_tokens", "sharded_attention_bytes", "ttft", "weight_bytes", "weights_read",
+    "segment_problems", "segment_tokens", "sharded_attention_bytes", "static_moe_bytes", "ttft", "weight_bytes",
+    "weights_read",
 ]

@@ -31,8 +31,8 @@ kB = ceil(B / G) keys per block per rank, k' = min(K, ceil(S / B)) selected bloc
   logits (:func:`prefill_persistent_bytes`) plus the larger of one attention query tile
   (:func:`attention_tile_bytes`) and the MoE (:func:`prefill_phases`);
 * prefill, paged (T = C, one request per segment): the same persistent terms for C tokens plus the larger of the
-  MoE for C tokens (:func:`moe_bytes`: the buffers of a blockwise kernel, NxDI's; the model's own formulations are
-  for the graphs, not sized here) and the segment's attention: one query tile of the model's ``attention_tile``
+  MoE for C tokens (:func:`static_moe_bytes`: the model's own static formulation, with the experts' weight slices
+  it copies per block) and the segment's attention: one query tile of the model's ``attention_tile``
   (:data:`PAGED_TILE`; a dense read's tile capped as ``ops.step`` caps it, :func:`dense_tile`) against the pages
   up to S (:func:`attention_tile_bytes`, the replicated layout's tile terms) plus the line it lays end to end
   (:func:`paged_line_bytes`). A decode step's lines (``b x S`` x the same width: for M3 512 of the pages' 45,312
@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from ..config import parallel
 from ..config.m3 import M3Config
 from ..errors import M3Error
+from ..ops.moe import blocks_capacity, static_strategy
 from ..ops.prefill import PREFILL_TILES, PREFILL_MAX_TILE, tile_for
 from ..ops.step import TILE_ELEMENTS
 
@@ -326,6 +327,31 @@ def moe_bytes(c: M3Config, tp: int, ep: int, tokens: int, moe_block: int = 512) 
             + rows * (2 * c.hidden_size + 2 * c.intermediate_size // parallel.moe_tp(tp, ep)) * BF16)
 
 
+def static_moe_bytes(c: M3Config, tp: int, ep: int, tokens: int) -> int:
+    """Per-rank MoE bytes of the vLLM Neuron model's ``static`` formulation (``ops.moe.static_strategy``, what it
+    compiles) for a call of ``tokens`` tokens: fp32 router logits and scores, and the tensors the chosen formulation
+    materializes, summed (a bound on what is live at once), bf16 unless said:
+
+    * ``gather`` (``T k <= E_local``): each row's expert weights gathered ``T k x 3 h i``, its input, gate/up,
+      activation and output;
+    * ``dense``: every local expert on every token, ``E_local x T x (2i + i + h)``;
+    * ``blocks`` (``ops.moe.blocks_capacity``: n blocks of b rows): the placed rows ``(n b + 1) x h``, each block's
+      expert weights gathered ``n x 3 h i`` (a copy per block, not a view), gate/up, activation and output ``n b x
+      (3i + h)``, and the rows read back ``T k x h`` in fp32 and in bf16."""
+    h, k = c.hidden_size, c.top_k
+    n_local = parallel.local_experts(c.num_experts, ep)
+    i = c.intermediate_size // parallel.moe_tp(tp, ep)
+    rows, strategy = tokens * k, static_strategy(tokens, k, n_local)
+    if strategy == "gather":
+        work = rows * (3 * h * i + 2 * h + 3 * i) * BF16
+    elif strategy == "dense":
+        work = n_local * tokens * (3 * i + h) * BF16
+    else:
+        n, b = blocks_capacity(rows, n_local)
+        work = ((n * b + 1) * h + n * 3 * h * i + n * b * (3 * i + h)) * BF16 + rows * h * (FP32 + BF16)
+    return 2 * tokens * c.num_experts * FP32 + work
+
+
 def prefill_phases(c: M3Config, tp: int, ep: int, seq: int, ctx_batch: int = 1, chunk: int | None = None,
                    moe_block: int = 512) -> dict[str, int]:
     """Replicated layout: per-rank bytes of the two phases of a layer's prefill, which run one after the other (the
@@ -363,7 +389,7 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
         tile = min(PAGED_TILE, chunk)
         attention = attention_tile_bytes(c, tp, s, 1, tile, dense_tile(c, tp, s, tile))
         phases = {"attention tile": sum(attention.values()) + paged_line_bytes(c, tp, 1, s, kv_dtype),
-                  "MoE": moe_bytes(c, tp, ep, chunk, moe_block)}
+                  "MoE": static_moe_bytes(c, tp, ep, chunk)}
     else:
         tokens, chunk = ctx_batch * seq, prefill_tile(c, seq, tiles, max_tile)
         phases = prefill_phases(c, tp, ep, seq, ctx_batch, chunk, moe_block)
@@ -385,8 +411,10 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
                      f"{per_token:,} bytes per token per rank (K/V of {_heads(c, c.num_kv_heads, tp)} KV head per "
                      f"rank{f', each on {g} ranks' if g > 1 else ''}, index keys as two halves); {batch} x {s:,} = "
                      f"{batch * s:,} tokens of pages")
+        n_local = parallel.local_experts(c.num_experts, ep)
         notes.append(f"prompts prefilled one request per forward in segments of {chunk} tokens "
-                     "(max_num_batched_tokens); a segment's MoE counted as a blockwise kernel's buffers")
+                     f"(max_num_batched_tokens); a segment's MoE as the model's static formulation computes it "
+                     f"({static_strategy(chunk, c.top_k, n_local)}, ops.moe)")
     return MemoryPlan(tp, ep, batch, seq, ctx_batch, weights, kv_dtype, w, kv_cache, index_k, prefill, reserve,
                       hbm, tuple(notes), chunk, tuple(phases.items()), layout, g)
 

@@ -15,6 +15,7 @@ import torch
 
 from .. import ops
 from ..config.m3 import M3Config
+from ..ops.moe import blocks_capacity, static_strategy
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -36,32 +37,6 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 STRATEGIES = ("grouped", "gather", "loop", "dense", "blocks")
-
-
-def moe_block(rows: int, n_local: int) -> int:
-    """Rows per block of the ``blocks`` formulation: the largest power of two <= rows / (4 x local experts), within
-    8 .. 128, so the padding bound (one part-filled block per expert) stays about a quarter of the rows."""
-    b = 8
-    while b < 128 and 2 * b <= rows // (4 * n_local):
-        b *= 2
-    return b
-
-
-def blocks_capacity(rows: int, n_local: int) -> tuple[int, int]:
-    """(blocks, rows per block) the ``blocks`` formulation computes for ``rows`` (token, slot) rows: at most
-    ``ceil(rows / block)`` full blocks plus one part-filled block per local expert, whatever the routing."""
-    block = moe_block(rows, n_local)
-    return -(-rows // block) + n_local, block
-
-
-def static_strategy(t: int, k: int, n_local: int) -> str:
-    """The ``static`` choice for a call of ``t`` tokens (a shape, so a compiled graph fixes it): ``gather`` while
-    the ``t x k`` rows are no more than the local experts (each row reads only its expert), else whichever of
-    ``dense`` (``t x E_local`` rows) and ``blocks`` (:func:`blocks_capacity`) computes fewer rows."""
-    if t * k <= n_local:
-        return "gather"
-    n_blocks, block = blocks_capacity(t * k, n_local)
-    return "dense" if t * n_local <= n_blocks * block else "blocks"
 
 
 def _blocks(x, weights, key, gate_up, down, c: M3Config, wide) -> torch.Tensor:

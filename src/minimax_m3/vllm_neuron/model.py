@@ -112,7 +112,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
     def fix_for_capture(self, device) -> None:
         """The choices a captured forward cannot make, made once the weights are in (outside any graph: the plugin's
         ``torch.compile`` captures the forward whole): the MoE's formulation — ``static`` (static shapes, no sort, no
-        grouped matmul: what StableHLO can hold; per bucket, :func:`~minimax_m3.reference.moe.static_strategy`: each
+        grouped matmul: what StableHLO can hold; per bucket, :func:`~minimax_m3.ops.moe.static_strategy`: each
         decode row with its expert's weights, or every local expert on every token, or rows in per-expert blocks,
         whichever computes least), never the host-side loop — its router's experts by descending score (the top-k
         torch-mlir lowers to StableHLO) — and the fused input projections (no data-pointer check in the graph)."""
