@@ -66,8 +66,15 @@ def chat_turn(url: str, body: dict, stream: bool = False) -> tuple:
         msg = choice["message"]
         calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls") or []]
         return _reasoning(msg) or None, msg.get("content") or None, calls, choice["finish_reason"]
+    return assemble_stream(post_stream(f"{url}/chat/completions", body))
+
+
+def assemble_stream(events) -> tuple:
+    """A streamed chat completion's events (JSON bodies) as ``(reasoning, content, [(name, args)], finish_reason)``:
+    tool calls by index, their arguments parsed as JSON."""
     reasoning, content, calls, finish = "", "", {}, None
-    for event in post_stream(f"{url}/chat/completions", body):
+    for event in events:
+        assert "error" not in event, event
         choice = event["choices"][0]
         delta = choice["delta"]
         reasoning += _reasoning(delta) or ""

@@ -23,6 +23,8 @@ from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from vllm.reasoning import ReasoningParserManager  # noqa: E402
 from vllm.tool_parsers import ToolParserManager  # noqa: E402
 
+from test.support.openai_server import assemble_stream  # noqa: E402
+
 NS = "]<]minimax[>["
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                             "units": {"type": "array", "items": {"type": "string"}}}}
@@ -150,23 +152,8 @@ def _run(registered, tokenizer, request, reply, stream, **kw):
         return [c async for c in chat.chat_completion_stream_generator(request, _agen(outs), "req", "m3", [],
                                                                        tokenizer, meta)]
 
-    reasoning, content, calls, finish = "", "", {}, None
-    for line in asyncio.run(collect()):
-        body = line.removeprefix("data: ").strip()
-        if body == "[DONE]":
-            continue
-        choice = json.loads(body)["choices"][0]
-        assert "error" not in json.loads(body)
-        delta = choice["delta"]
-        reasoning += delta.get("reasoning") or ""
-        content += delta.get("content") or ""
-        for tc in delta.get("tool_calls") or []:
-            c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
-            c["name"] += (tc.get("function") or {}).get("name") or ""
-            c["arguments"] += (tc.get("function") or {}).get("arguments") or ""
-        finish = choice.get("finish_reason") or finish
-    calls = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
-    return reasoning or None, content or None, calls, finish
+    bodies = (line.removeprefix("data: ").strip() for line in asyncio.run(collect()))
+    return assemble_stream(json.loads(b) for b in bodies if b != "[DONE]")
 
 
 REPLIES = {  # thinking_mode -> (the reply the model writes, after the generation prompt), the chat completion

@@ -211,9 +211,11 @@ def _by_block(x: torch.Tensor, per: int) -> torch.Tensor:
 def _sparse(q, k, v, act: Active | None, q_pos, start, blocks, block_size: int, rank, group: int, scale: float):
     """One query tile of a sparse layer: each query reads its ``K`` selected blocks (``K x per`` keys). A call with
     nothing before it (``k`` None; its own keys from a block boundary) gathers them from its own keys; a call whose
-    keys the caches already hold (``act`` None) from the caches alone; otherwise from the prior, plus the call's own
-    keys where their block is selected (scored densely, then masked: the waste of a later prefill call, ``1 +
-    T/(K x block)`` times the block-sparse FLOPs). ``(out, max, sum)``."""
+    keys the caches already hold (``act`` None) from the caches alone; a later prefill call (its own keys from a
+    block boundary, ``act.blocked``) from a copy of the rank's lines with its own keys in their slots (block-sparse
+    FLOPs; the copy is the rank's 1/G of the line); decode and verify (a few active tokens at any position) from the
+    prior, plus their own few keys scored and masked (``1 + T/(K x per)`` times the block-sparse FLOPs).
+    ``(out, max, sum)``."""
     b, hq, t, d = q.shape
     h, kk, per = (k if act is None else act.k).shape[1], blocks.shape[-1], block_size // group
     r = hq // h
@@ -221,18 +223,25 @@ def _sparse(q, k, v, act: Active | None, q_pos, start, blocks, block_size: int, 
     key_pos = ((ids * block_size).unsqueeze(-1) + torch.arange(per, device=q.device) * group
                + rank_index(rank, q.device)).view(b, h, t, kk * per)
     qg = q.reshape(b, h, r, t, d).transpose(2, 3)  # [B, H, T, r, D]: the heads share the gather
-    if k is None or act is None:  # every selected block from one table: the call's own keys (a call from position 0
-        # on a block boundary) or the caches (which already hold the call's keys); each query's keys up to itself
-        if act is None:
-            tk, tv, n = k, v, k.shape[2] // per
-        else:
+    if k is None or act is None or act.blocked:  # each selected block gathered whole; each query's keys up to itself
+        if act is None:  # the caches, which already hold the call's keys
+            n = k.shape[2] // per
+            kg, vg = _gather(k, ids.clamp(max=n - 1), n), _gather(v, ids.clamp(max=n - 1), n)
+        elif k is None:  # the call's own keys, from position 0
             tk, tv, n = _by_block(act.k, per), _by_block(act.v, per), -(-act.k.shape[2] // per)
-        kg, vg = _gather(tk, ids.clamp(max=n - 1), n), _gather(tv, ids.clamp(max=n - 1), n)
+            kg, vg = _gather(tk, ids.clamp(max=n - 1), n), _gather(tv, ids.clamp(max=n - 1), n)
+        else:  # after a prior: the call's own keys put in their slots of a copy of the rank's lines (what the cache
+            # update writes after the forward; a few MiB per layer), then one gather for every selected block
+            a, n = act.k.shape[2], k.shape[2] // per
+            slot = (start // group).view(b, 1) + torch.arange(a, device=q.device)  # [B, A]: start + j*G + rank
+            slot = slot.clamp(max=k.shape[2] - 1).view(b, 1, a, 1).expand(b, h, a, d)  # (calls end in the cache)
+            kg = _gather(k.scatter(2, slot, act.k.to(k.dtype)), ids.clamp(max=n - 1), n)
+            vg = _gather(v.scatter(2, slot, act.v.to(v.dtype)), ids.clamp(max=n - 1), n)
         keep = (blocks >= 0).repeat_interleave(per, dim=-1) & (key_pos <= q_pos.view(b, 1, t, 1))
         scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [B, H, T, r, K * per]
         p, top, total = partial_softmax(scores, keep.unsqueeze(3).expand_as(scores))
         out = torch.matmul(p.to(vg.dtype), vg)
-    else:  # the prior's selected blocks, plus the call's own keys where their block is selected
+    else:  # decode, verify: the prior's selected blocks, plus the call's own few keys where their block is selected
         a, nblk = act.k.shape[2], k.shape[2] // per
         kg, vg = _gather(k, ids.clamp(max=nblk - 1), nblk), _gather(v, ids.clamp(max=nblk - 1), nblk)
         prior_keep = (blocks >= 0).repeat_interleave(per, dim=-1) & (key_pos < start.view(b, 1, 1, 1))
