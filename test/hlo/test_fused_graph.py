@@ -270,7 +270,8 @@ def test_fused_against_the_one_token_and_verify_steps(builds):
 def test_a_prefill_in_calls_costs_the_draft_what_one_call_does_and_one_state_shift(builds):
     """Prompts longer than a call (``--prefill-chunk 128 --max-context-len 256``): one context-encoding graph for
     every call (the call's first position is an input; ``neuron.eagle.M3FusedSpecModel``). The draft's weights read
-    as the one-call build's (its K/V side), its cache written in place, the target's caches too (no copies). What the
+    as the one-call build's (its K/V side), its cache written in place, the target's caches too (a sparse layer reads its
+    K/V lines through one copy with the call's keys in their slots: the line, a few hundred KiB here). What the
     calls add: two target states per row from the rolling buffer (the previous call's last; the kept one of a row
     whose prompt ended earlier) and ONE pass over the call's target states, shifted by one position for the draft
     (``[B, T, 3H]`` bf16: the minimum for a shift; NxDI's one-call prefill shifts the tokens instead, which across
@@ -283,9 +284,13 @@ def test_a_prefill_in_calls_costs_the_draft_what_one_call_does_and_one_state_shi
     assert chunked["draft"]["weights"] == one["draft"]["weights"] == 9_879_552
     assert chunked["draft"]["kv"] == one["draft"]["kv"] == 0
     assert chunked["draft"]["states"] == 2 * b * 3 * H * 2
-    assert sum(chunked["state_copies"].values()) == 0  # the target's caches
+    # the target's caches are written in place; a sparse layer's attention reads its K and V lines through one copy
+    # each with the call's own keys in their slots (ops.step._sparse: the call's keys by selected block, not densely)
+    assert chunked["state_copies"] == {"kv_dense": 0, "kv_sparse": 2 * 2, "index_k": 0}
+    assert chunked["state_copy_bytes"]["kv_sparse"] == 2 * 2 * b * (BUCKET // 16) * 128 * 2
     shift = b * PROMPT * 3 * H * 2
     assert (chunked["draft"]["state_copies"], chunked["draft"]["state_copy_bytes"]) == (1, shift) == (1, 4_718_592)
     notes = [n for n in chunked["notes"] if n.startswith("state copies")]
     want = f"state copies: 1 x concatenate bf16[{b}, {PROMPT}, {3 * H}] eagle.py:"
-    assert len(notes) == 1 and notes[0].startswith(want), notes
+    line = f"state copies: 2 x scatter bf16[{b}, 1, {BUCKET // 16}, 128] step.py:"  # K, then V, of the 2 layers
+    assert len(notes) == 3 and notes[2].startswith(want) and all(n.startswith(line) for n in notes[:2]), notes
