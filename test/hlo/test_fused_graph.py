@@ -270,8 +270,8 @@ def test_fused_against_the_one_token_and_verify_steps(builds):
 def test_a_prefill_in_calls_costs_the_draft_what_one_call_does_and_one_state_shift(builds):
     """Prompts longer than a call (``--prefill-chunk 128 --max-context-len 256``): one context-encoding graph for
     every call (the call's first position is an input; ``neuron.eagle.M3FusedSpecModel``). The draft's weights read
-    as the one-call build's (its K/V side), its cache written in place, the target's caches too (a sparse layer reads its
-    K/V lines through one copy with the call's keys in their slots: the line, a few hundred KiB here). What the
+    as the one-call build's (its K/V side), its cache written in place, the target's caches too (a sparse layer
+    reads its K/V lines through one copy with the call's keys in their slots: the line, a few hundred KiB). What the
     calls add: two target states per row from the rolling buffer (the previous call's last; the kept one of a row
     whose prompt ended earlier) and ONE pass over the call's target states, shifted by one position for the draft
     (``[B, T, 3H]`` bf16: the minimum for a shift; NxDI's one-call prefill shifts the tokens instead, which across
