@@ -139,3 +139,35 @@ def test_a_bad_latency_is_one_error_naming_the_option(capsys, bad):
     assert main(["--batch", "1", "--seq", "4096", "--collective-latency-us", bad]) == 2
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "--collective-latency-us" in out[0] and "number >= 0" in out[0]
+
+
+def experts_read(weights: str, n: int, slice_of: int) -> int:
+    """57 layers x ``n`` experts' gate, up and down, each ``3072 / slice_of`` columns wide (bf16, or fp8 with its
+    fp32 scales: gate/up's 2 x 3072 / slice_of output channels and down's 6144)."""
+    i = 3072 // slice_of
+    return 57 * n * (3 * H * i * 2 if weights == "bf16" else 3 * H * i + (2 * i + H) * 4)
+
+
+@pytest.mark.parametrize("weights", ["fp8", "bf16"])
+@pytest.mark.parametrize("batch,seq", SHAPES)
+def test_decode_only_tensor_parallel_experts_projection_by_hand(capsys, weights, batch, seq):
+    """Issue 34's candidate, projected (not built): decode reads the step's experts' 1/64 slices of a second copy
+    (min(128, 4 x batch) experts) instead of both whole local experts; the same 242 collectives; the copy's bytes
+    (all 128 experts' 1/64) added to the plan's memory. fp8: 7.59 ms at batch 1 / 4K, 9.04 ms at 1M (issue 34's
+    targets: <= 8 and <= 10), 16.82 ms at batch 32 (target 14: 128 experts' slices are both experts' bytes)."""
+    from minimax_m3.planner import GIB, plan
+    from minimax_m3.planner.cost import tp_experts_itl
+
+    used = min(128, 4 * batch)
+    hand = step_bytes(weights, batch, seq) - experts_read(weights, 2, 1) + experts_read(weights, used, 64)
+    proj = tp_experts_itl(M3, 64, batch, seq, weights, layout="sharded")
+    assert proj.bytes == hand and proj.collectives == 242
+    ms = (hand / HBM + collective_seconds(step_collectives(batch), 25e-6)) * 1e3
+    assert proj.total_s * 1e3 == pytest.approx(ms, rel=1e-9)
+    assert main(["--tp", "64", "--ep", "64", "--weights", weights, "--batch", str(batch), "--seq", str(seq)]) in (0, 1)
+    (line,) = [s for s in capsys.readouterr().out.splitlines() if s.startswith("projection (not built)")]
+    total = plan(M3, 64, 64, batch, seq, weights).total_bytes + experts_read(weights, 128, 64)
+    assert f"{ms:.2f} ms per step" in line and f"{total / GIB:.2f} GiB, {'fits' if total <= 24 * GIB else 'does not'}" \
+        in line
+    if weights == "fp8":
+        assert f"{ms:.2f}" == {(1, 4096): "7.59", (32, 4096): "16.82", (1, 1 << 20): "9.04"}[(batch, seq)]

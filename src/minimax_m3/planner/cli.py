@@ -15,7 +15,7 @@ from ..config import parallel
 from ..config.draft import DraftConfig, parse_draft_config
 from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, HBM_BYTES_PER_S, PEAK_FLOPS_PER_S, Itl, collectives, decode_floor_ms, \
-    decode_itl, link_seconds, ttft
+    decode_itl, link_seconds, tp_experts_itl, ttft
 from .fit import largest_batch, largest_context
 from .memory import GIB, HBM_PER_RANK_GIB, LAYOUTS, PAGED, PAGED_SEGMENTS, PAGED_TILE, ChunkError, MemoryPlan, \
     PlanError, cache_tokens, plan, weight_bytes
@@ -63,7 +63,8 @@ def format_itl(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY
                draft: DraftConfig = M3_DRAFT) -> list[str]:
     """The two ``decode ITL estimate`` lines of a plan: a plain decode step (:func:`.cost.decode_itl`) and a fused
     EAGLE3 step of ``k`` drafts at mean acceptance :data:`.speculative.ITL_ACCEPTANCE` (:func:`.speculative.fused_itl`),
-    per step and per token; the paged layout's second line says it is not covered."""
+    per step and per token; the paged layout's second line says it is not covered. With expert parallelism, a third
+    line projects decode-only tensor-parallel experts (:func:`format_tp_experts`)."""
     plain = decode_itl(c, p.tp, p.ep, p.batch, cache_tokens(c, p.tp, p.seq, p.layout), p.weights, p.kv_dtype,
                        p.layout, latency_s)
     at = f"at batch {p.batch}, {p.seq} tokens"
@@ -73,10 +74,26 @@ def format_itl(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY
                       "in a separate EagleProposer call and this model samples on the host; planner/speculative.py "
                       "models NxDI's fused step)"]
     fused = fused_itl(c, p.tp, p.ep, p.batch, p.seq, k, p.weights, p.kv_dtype, draft, p.layout, latency_s)
-    return [line,
-            f"decode ITL estimate, fused EAGLE3 step (k={k}, acceptance {ITL_ACCEPTANCE}) {at}: "
-            f"{fused.total_s * 1e3:.2f} ms per step, {fused.total_s / ITL_ACCEPTANCE * 1e3:.2f} ms per token = "
-            f"{_itl(fused, latency_s)}"]
+    lines = [line,
+             f"decode ITL estimate, fused EAGLE3 step (k={k}, acceptance {ITL_ACCEPTANCE}) {at}: "
+             f"{fused.total_s * 1e3:.2f} ms per step, {fused.total_s / ITL_ACCEPTANCE * 1e3:.2f} ms per token = "
+             f"{_itl(fused, latency_s)}"]
+    if p.ep > 1:
+        lines.append(format_tp_experts(c, p, latency_s))
+    return lines
+
+
+def format_tp_experts(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY_S) -> str:
+    """The projection line of :func:`.cost.tp_experts_itl` (not a ``decode ITL estimate`` line: not built): its ITL
+    and the memory of the second copy of the routed experts."""
+    proj = tp_experts_itl(c, p.tp, p.batch, cache_tokens(c, p.tp, p.seq, p.layout), p.weights, p.kv_dtype, p.layout,
+                          latency_s)
+    extra = weight_bytes(c, p.tp, 1, p.weights)[1]["routed experts"]
+    total = p.total_bytes + extra
+    fits = "fits" if total <= p.hbm_bytes else "does not fit"
+    return (f"projection (not built), decode with a second copy of the routed experts sharded over all {p.tp} ranks: "
+            f"{proj.total_s * 1e3:.2f} ms per step = {_itl(proj, latency_s)}; the copy adds {extra / GIB:.2f} GiB per "
+            f"rank: {total / GIB:.2f} GiB, {fits}")
 
 
 def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None,
