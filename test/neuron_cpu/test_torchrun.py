@@ -26,7 +26,7 @@ SUITE = ["test/integration/test_backend_suite.py", "test/neuron_cpu/test_harness
          "test/neuron_cpu/test_port_cpu.py", "test/neuron_cpu/test_vocab_padding.py",
          "test/neuron_cpu/test_continuous_batching.py", "test/neuron_cpu/test_sharded_caches.py",
          "test/neuron_cpu/test_chunked_prefill.py", "test/neuron_cpu/test_speculative_port.py",
-         "test/neuron_cpu/test_fused_speculation.py"]
+         "test/neuron_cpu/test_fused_speculation.py", "test/neuron_cpu/test_decode_experts_tp.py"]
 TPS = (2, 4)
 # files run at fewer degrees (the issue's targets: TP 1 and 2; CI time): the speculative paths at TP 2
 ONLY = {"test/neuron_cpu/test_speculative_port.py": (2,), "test/neuron_cpu/test_fused_speculation.py": (2,)}

@@ -93,7 +93,8 @@ def test_artifact_dir_is_named_by_every_field_that_changes_the_neffs():
                    context_buckets=(1024, 8192), token_buckets=(4096, 8192), continuous_batching=False,
                    all_logits=True, on_device_sampling=True, weights="fp8", prefill_chunk=4096,
                    draft="/drafts/eagle3", num_speculative_tokens=3,  # a draft: the speculation graph, its states
-                   fused_speculation=True)  # the draft inside the graph
+                   fused_speculation=True,  # the draft inside the graph
+                   decode_experts="tp")  # a decode copy of the routed experts
     assert set(changed) == set(ARTIFACT_FIELDS)
     dirs = {_dir(**{"max_seq_len": 8192, "max_batch": 8, **{k: v}}) for k, v in changed.items()}
     assert base not in dirs and len(dirs) == len(changed)

@@ -150,24 +150,37 @@ def experts_read(weights: str, n: int, slice_of: int) -> int:
 
 @pytest.mark.parametrize("weights", ["fp8", "bf16"])
 @pytest.mark.parametrize("batch,seq", SHAPES)
-def test_decode_only_tensor_parallel_experts_projection_by_hand(capsys, weights, batch, seq):
-    """Issue 34's candidate, projected (not built): decode reads the step's experts' 1/64 slices of a second copy
+def test_decode_experts_tp_by_hand(capsys, weights, batch, seq):
+    """Issue 34 item 3, ``--decode-experts tp``: decode reads the step's experts' 1/64 slices of a second copy
     (min(128, 4 x batch) experts) instead of both whole local experts; the same 242 collectives; the copy's bytes
-    (all 128 experts' 1/64) added to the plan's memory. fp8: 7.59 ms at batch 1 / 4K, 9.04 ms at 1M (issue 34's
-    targets: <= 8 and <= 10), 16.82 ms at batch 32 (target 14: 128 experts' slices are both experts' bytes)."""
+    (all 128 experts' 1/64) added to the plan's weights. fp8: 7.59 ms at batch 1 / 4K, 9.04 ms at 1M (issue 34's
+    targets: <= 8 and <= 10), 16.82 ms at batch 32 (target 14: 128 experts' slices are both experts' bytes). The
+    default plan prints the same figure as its alternative line, and the tp plan the default's as its."""
     from minimax_m3.planner import GIB, plan
-    from minimax_m3.planner.cost import tp_experts_itl
+    from minimax_m3.planner.cost import decode_itl
 
     used = min(128, 4 * batch)
     hand = step_bytes(weights, batch, seq) - experts_read(weights, 2, 1) + experts_read(weights, used, 64)
-    proj = tp_experts_itl(M3, 64, batch, seq, weights, layout="sharded")
-    assert proj.bytes == hand and proj.collectives == 242
+    itl = decode_itl(M3, 64, 1, batch, seq, weights, layout="sharded")
+    assert itl.bytes == hand and itl.collectives == 242
     ms = (hand / HBM + collective_seconds(step_collectives(batch), 25e-6)) * 1e3
-    assert proj.total_s * 1e3 == pytest.approx(ms, rel=1e-9)
-    assert main(["--tp", "64", "--ep", "64", "--weights", weights, "--batch", str(batch), "--seq", str(seq)]) in (0, 1)
-    (line,) = [s for s in capsys.readouterr().out.splitlines() if s.startswith("projection (not built)")]
-    total = plan(M3, 64, 64, batch, seq, weights).total_bytes + experts_read(weights, 128, 64)
-    assert f"{ms:.2f} ms per step" in line and f"{total / GIB:.2f} GiB, {'fits' if total <= 24 * GIB else 'does not'}" \
-        in line
+    assert itl.total_s * 1e3 == pytest.approx(ms, rel=1e-9)
+    base = plan(M3, 64, 64, batch, seq, weights)
+    total = base.total_bytes + experts_read(weights, 128, 64)
+    with_copy = plan(M3, 64, 64, batch, seq, weights, chunk=base.chunk, decode_experts="tp")
+    assert with_copy.total_bytes == total and with_copy.decode_ep == 1 and base.decode_ep == 64
+    verdict = f"{total / GIB:.2f} GiB, {'fits' if total <= 24 * GIB else 'does not'}"
+    args = ["--tp", "64", "--ep", "64", "--weights", weights, "--batch", str(batch), "--seq", str(seq)]
+    assert main(args) in (0, 1)
+    (line,) = [s for s in capsys.readouterr().out.splitlines() if s.startswith("with --decode-experts tp")]
+    assert f"{ms:.2f} ms per step" in line and verdict in line
+    assert main(args + ["--decode-experts", "tp"]) == (0 if plan(M3, 64, 64, batch, seq, weights,
+                                                                 decode_experts="tp").fits else 1)
+    out = capsys.readouterr().out.splitlines()
+    (est,) = [s for s in out if s.startswith("decode ITL estimate at")]
+    (other,) = [s for s in out if s.startswith("with --decode-experts ep")]
+    plain_ms = decode_itl(M3, 64, 64, batch, seq, weights, layout="sharded").total_s * 1e3
+    assert f"{ms:.2f} ms per step" in est and f"{plain_ms:.2f} ms per step" in other
+    assert any(s.strip().startswith("decode expert copy") for s in out)
     if weights == "fp8":
         assert f"{ms:.2f}" == {(1, 4096): "7.59", (32, 4096): "16.82", (1, 1 << 20): "9.04"}[(batch, seq)]

@@ -265,6 +265,27 @@ def test_require_fit_names_the_largest_that_fit():
         require_fit(M3, 64, 64, 64, 1 << 20, layout="sharded", chunk=1000)
 
 
+def test_require_fit_names_the_largest_under_each_decode_experts_choice():
+    """Issue 34's bad input: a decode copy of the bf16 experts fits no context at all (the weights alone are over
+    24 GiB); the refusal says so and that the choice without the copy fits, before any compile. fp8 at batch 8 x 1M
+    fits neither way: the other choice's largest context and batch are named too."""
+    with pytest.raises(FitError) as e:
+        require_fit(M3, 64, 64, 1, 1 << 20, layout="sharded", decode_experts="tp")
+    msg = str(e.value)
+    assert e.value.largest_context == 0 and "no context fits at batch 1" in msg
+    assert "a decode copy of the experts (--decode-experts tp)" in msg
+    assert "with --decode-experts ep: it fits" in msg  # bf16 1M without the copy: 20.20 GiB
+    with pytest.raises(FitError) as e:
+        require_fit(M3, 64, 64, 8, 1 << 20, layout="sharded", weights="fp8")
+    ctx = largest_context(M3, 64, 64, 8, layout="sharded", weights="fp8", decode_experts="tp")
+    bat = largest_batch(M3, 64, 64, 1 << 20, layout="sharded", weights="fp8", decode_experts="tp")
+    assert 0 < ctx < e.value.largest_context and 0 < bat < e.value.largest_batch
+    assert f"with --decode-experts tp: largest context at batch 8 {ctx} tokens, largest batch at 1048576 tokens " \
+           f"{bat}" in str(e.value)
+    with pytest.raises(PlanError, match="the NxDI port's"):
+        plan(M3, 64, 64, 1, 8192, layout="paged", decode_experts="tp")
+
+
 def test_cli_prints_both_layouts(capsys):
     assert main(["--batch", "1", "--seq", "1048576", "--weights", "fp8"]) == 0
     out = capsys.readouterr().out

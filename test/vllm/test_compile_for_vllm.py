@@ -194,6 +194,20 @@ def test_structured_outputs_build_samples_on_the_host_and_prints_its_serve_line(
     assert samples_on_device(None, str(tmp_path / "ods")) is True
 
 
+def test_decode_experts_tp_build_carries_the_hybrid_sharding_to_the_serve_line(model, tmp_path):  # noqa: F811
+    """``--decode-experts tp``: the artifact's neuron config has NxD's hybrid sharding (decode experts over every
+    rank, prefill's as the layout), and the printed serve line's override carries the same, so vllm-neuron builds
+    the decode copy whether it loads the artifact or compiles from the line."""
+    proc = _compile(model, "--for-vllm", "--decode-experts", "tp", "--compiled", str(tmp_path / "art"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    nc = json.loads((tmp_path / "art" / "neuron_config.json").read_text())["neuron_config"]
+    want = {"moe_cte_tp_degree": 1, "moe_cte_ep_degree": 1, "moe_tkg_tp_degree": 1, "moe_tkg_ep_degree": 1}
+    assert {k: nc["hybrid_sharding_config"][k] for k in want} == want
+    line = re.search(r"^vllm serve .*$", proc.stdout, re.M).group(0)
+    override = json.loads(shlex.split(line)[shlex.split(line).index("--additional-config") + 1])
+    assert {k: override["override_neuron_config"]["hybrid_sharding_config"][k] for k in want} == want
+
+
 @pytest.mark.parametrize("args,want", [
     (["--structured-outputs"], "--structured-outputs applies to --for-vllm builds"),
     (["--for-vllm", "--structured-outputs", "--draft", "DRAFT", "--speculative-tokens", "3", "--fused-speculation",

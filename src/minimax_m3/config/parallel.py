@@ -103,6 +103,34 @@ def local_experts(num_experts: int, ep: int) -> int:
     return num_experts // ep
 
 
+# how the decode graphs read the routed experts (the engine spec's ``decode_experts``, the planner's
+# ``--decode-experts``): "ep", the prefill's expert-parallel shards; "tp", a second copy split over every rank
+DECODE_EXPERTS = ("ep", "tp")
+
+
+def decode_ep(ep: int, decode_experts: str) -> int:
+    """The expert-parallel degree a decode step reads the routed experts at: 1 for the ``tp`` copy (one group of
+    every rank), else the prefill's ``ep``. What the planner's decode bytes and the graph report take as ``ep``."""
+    return 1 if decode_experts == "tp" else ep
+
+
+def decode_tp_experts(tp: int, ep: int) -> dict:
+    """NxD's hybrid sharding (NxDI's ``hybrid_sharding_config``) of ``--decode-experts tp``: prefill keeps the
+    layout above (``ep`` groups of ``moe_tp`` ranks), decode reads a second copy of the routed experts whose
+    intermediate width splits over all ``tp`` ranks (one group), so a step gathers only the rows of the experts its
+    tokens chose (NxD's selective loading) instead of every local expert whole."""
+    return {"moe_cte_tp_degree": moe_tp(tp, ep), "moe_cte_ep_degree": ep, "moe_tkg_tp_degree": tp,
+            "moe_tkg_ep_degree": 1}
+
+
+def decode_experts_problems(c: M3Config, tp: int) -> list[str]:
+    """Rules of the decode copy of :func:`decode_tp_experts` (the prefill layout's are :func:`model_problems`')."""
+    if tp >= 1 and c.intermediate_size % tp:
+        return [f"decode_experts tp: tp {tp} does not divide intermediate_size {c.intermediate_size} (the decode "
+                "copy splits each expert over every rank); use --decode-experts ep"]
+    return []
+
+
 def degree_problems(tp: int, ep: int) -> list[str]:
     """Rules on the degrees alone (no model needed)."""
     if min(tp, ep) < 1:

@@ -31,10 +31,13 @@ ARTIFACT_FILE = "minimax-m3-spec.json"  # in a compiled directory: the artifact 
 # the fields that change the compiled NEFFs (and so name the artifact directory)
 ARTIFACT_FIELDS = ("tp", "ep", "lnc", "dtype", "max_batch", "max_seq_len", "max_context_len", "context_buckets",
                    "token_buckets", "continuous_batching", "all_logits", "on_device_sampling", "weights",
-                   "prefill_chunk", "draft", "num_speculative_tokens", "fused_speculation")
+                   "prefill_chunk", "draft", "num_speculative_tokens", "fused_speculation",
+                   "decode_experts")
 # artifact fields added after records were first written: a record without one was compiled with this value
-_RECORD_DEFAULTS = {"weights": "bf16", "draft": None, "num_speculative_tokens": None, "fused_speculation": False}
+_RECORD_DEFAULTS = {"weights": "bf16", "draft": None, "num_speculative_tokens": None, "fused_speculation": False,
+                    "decode_experts": "ep"}
 WEIGHTS = ("bf16", "fp8")
+DECODE_EXPERTS = parallel.DECODE_EXPERTS
 
 
 class SpecError(ConfigError):
@@ -81,6 +84,7 @@ class EngineSpec:
     draft: str | None = None  # an EAGLE3 draft checkpoint: speculative decoding
     num_speculative_tokens: int | None = None  # drafts per step with a draft (default 3)
     fused_speculation: bool = False  # neuron: the draft runs inside the device graph (NxDI's fused speculation)
+    decode_experts: str = "ep"  # neuron: decode reads the routed experts as prefill's EP shards | a TP copy
 
     # ---- defaults ---------------------------------------------------------------------------------------------
     def resolve(self, config: M3Config | None = None) -> "EngineSpec":
@@ -140,6 +144,9 @@ class EngineSpec:
                 out.append(f"{name} must be >= 1, got {value}")
         if s.weights not in WEIGHTS:
             out.append(f"unknown weights {s.weights!r}: choose bf16 or fp8 (--weights)")
+        if s.decode_experts not in DECODE_EXPERTS:
+            out.append(f"unknown decode_experts {s.decode_experts!r}: choose ep (the prefill's expert shards) or tp "
+                       "(a tensor-parallel copy read by selected expert) (--decode-experts)")
         if s.max_context_len > s.max_seq_len:
             out.append(f"max_context_len {s.max_context_len} exceeds max_seq_len {s.max_seq_len}: a prompt must fit "
                        "the cache (lower --max-context-len or raise --max-seq-len)")
@@ -209,6 +216,9 @@ class EngineSpec:
                        "checkpoint.fp8_experts.fp8_twin_)")
         if self.lnc not in (None, 1):
             out.append("lnc applies to the neuron backend only")
+        if self.decode_experts != "ep":
+            out.append("decode_experts tp applies to the neuron backends (the reference's experts are one copy); "
+                       "drop --decode-experts")
         world = _world_size()
         if self.tp not in (None, world):
             out.append(f"reference tp {self.tp} must equal the number of processes (WORLD_SIZE {world}): run "
@@ -241,6 +251,8 @@ class EngineSpec:
 
     def _layout_problems(self, c: M3Config) -> list[str]:
         out = parallel.model_problems(c, self.tp, self.ep, even_vocab=self.backend == "reference")
+        if self.decode_experts == "tp":
+            out += parallel.decode_experts_problems(c, self.tp)
         if self.max_seq_len > c.max_position_embeddings:
             out.append(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                        f"{c.max_position_embeddings}")
@@ -371,6 +383,11 @@ def add_engine_options(p: argparse.ArgumentParser, *, backend: str | None = "ref
                    help="neuron: sample on device (decode returns token ids)")
     g.add_argument("--weights", default=None, choices=WEIGHTS,
                    help="neuron: routed-expert format (fp8: NxD's expert-wise per-channel e4m3; default bf16)")
+    g.add_argument("--decode-experts", default=None, choices=DECODE_EXPERTS,
+                   help="neuron: how decode reads the routed experts. ep (default): the prefill's expert-parallel "
+                        "shards, every local expert each step; tp: a second copy sharded over all --tp ranks, a step "
+                        "reading only its tokens' experts' slices (more memory: `minimax-m3 plan --decode-experts "
+                        "tp` says whether it fits)")
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="tokens per prefill call: a longer prompt is prefilled in calls of N tokens, each attending to "
                         "the cache the earlier ones wrote; a multiple of the index block (neuron: of lcm(block, KV "

@@ -20,6 +20,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from .._atomic import write_atomic
+from ..config import parallel
 from ..config.m3 import ConfigError, M3Config
 from . import hlo_cost, hlo_schema
 from .table import STATE_KINDS, format_report
@@ -202,8 +203,8 @@ def analytic(cfg: M3Config, man: dict, g: dict) -> dict:
     size = 4 if str(man.get("dtype", "bfloat16")) in ("float32", "torch.float32") else 2
     layout, weights = kv_layout(man), man.get("weights", "bf16")
     try:
-        if g["submodel"] in STEPS:
-            t = row_tokens(man, g)
+        if g["submodel"] in STEPS:  # a decode copy of the experts (--decode-experts tp) is read at its own ep
+            t, ep = row_tokens(man, g), parallel.decode_ep(ep, man["layout"].get("decode_experts", "ep"))
             b = plan.decode_minimum_bytes(cfg, tp, ep, batch, g["bucket"], weights, dtype_bytes=size, layout=layout,
                                           tokens=t)
             return {"bytes_read": b, "gathered_kv": b["kv_sparse"],

@@ -47,6 +47,8 @@ def neuron_config(spec: EngineSpec, **extra) -> MiniMaxM3NeuronConfig:
     else:
         # NxDI's CTE flash-attention kernel for the dense layers (sparse layers keep ops.attention_step)
         kw.update(logical_nc_config=spec.lnc, save_sharded_checkpoint=True, attn_kernel_enabled=True)
+    if spec.decode_experts == "tp":  # NxD's hybrid sharding: prefill keeps the EP shards, decode a TP copy
+        kw.update(hybrid_sharding_config=parallel.decode_tp_experts(spec.tp, spec.ep))
     if spec.weights == "fp8":  # NxD's quantized routed experts; the port's state dict then carries e4m3 + .scale
         kw.update(fp8_experts.neuron_config_kwargs(), quantized_checkpoints_path=str(spec.model))
     if spec.on_device_sampling:  # seeded draws among NxDI's global top-256; only token ids leave the device

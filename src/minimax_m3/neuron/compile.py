@@ -91,7 +91,7 @@ def check_fit(args) -> None:
 
     try:
         require_fit(config, s.tp, s.ep, s.max_batch, s.max_seq_len, weights=s.weights, layout="sharded",
-                    chunk=s.prefill_chunk)
+                    chunk=s.prefill_chunk, decode_experts=s.decode_experts)
     except FitError:
         raise
     except M3Error:  # a layout or chunk the planner cannot size: the spec's own checks name it, with the rest

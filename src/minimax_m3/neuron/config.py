@@ -278,8 +278,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         if nc.flash_decoding_enabled or nc.attn_block_tkg_nki_kernel_enabled or nc.k_cache_transposed:
             problems.append("flash decoding / attn_block_tkg kernel / k_cache_transposed bypass the sparse "
                             "decode path; keep them off")
-        if nc.hybrid_sharding_config is not None:
-            problems.append("hybrid_sharding_config shifts NxD's up clamp twice (+2); not supported")
+        problems += hybrid_sharding_problems(nc)
         if nc.cp_degree > 1 or nc.attention_dp_degree > 1:
             problems.append("cp_degree / attention_dp_degree > 1 are not supported by the sparse attention path")
         if nc.enable_fused_speculation:
@@ -400,3 +399,17 @@ def aux_layers(config) -> tuple[int, ...]:
     dc, _ = parse_draft_config(raw)
     return dc.aux_layers(config.num_hidden_layers) if dc is not None else \
         default_aux_layers(config.num_hidden_layers)
+
+
+def hybrid_sharding_problems(nc) -> list[str]:
+    """The one hybrid sharding the port builds (``--decode-experts tp``, ``parallel.decode_tp_experts``): prefill's
+    experts as ``moe_tp_degree`` x ``moe_ep_degree``, decode's a copy over all ``tp_degree`` ranks in one group."""
+    h = nc.hybrid_sharding_config
+    if h is None:
+        return []
+    want = parallel.decode_tp_experts(nc.tp_degree, nc.moe_ep_degree)
+    have = {k: getattr(h, k, None) for k in want}
+    if have != want:
+        return [f"hybrid_sharding_config {have}: the port builds only {want} (--decode-experts tp: prefill keeps "
+                "the expert-parallel shards, decode reads a tensor-parallel copy over every rank)"]
+    return []

@@ -55,6 +55,7 @@ def initialize_m3_moe_module(config) -> nn.Module:
     moe = initialize_moe_module(config=config, init_tkg_module=False, experts_bias=True)
     nxd_compat.replace_router(moe, M3Router)
     nxd_compat.dispatch_ep_at_any_batch(moe)
+    nxd_compat.one_clamp_shift(moe)  # --decode-experts tp: NxD's second expert copy clamps as the first
     return moe
 
 

@@ -96,7 +96,9 @@ def write_manifest(app, out: str | Path, port: str, model_config: M3Config) -> P
     manifest = {
         "format": 1, "port": port,
         "layout": {"tp": nc.tp_degree, "ep": getattr(nc, "moe_ep_degree", 1), "lnc": nc.logical_nc_config,
-                   "world_size": nc.world_size, "rank": 0, **cache_layout(app.config)},
+                   "world_size": nc.world_size, "rank": 0, **cache_layout(app.config),
+                   # --decode-experts tp: NxD's hybrid sharding, the decode graphs' own copy of the routed experts
+                   "decode_experts": "ep" if getattr(nc, "hybrid_sharding_config", None) is None else "tp"},
         "dtype": str(nc.torch_dtype).replace("torch.", ""), "batch_size": nc.batch_size,
         "max_length": nc.max_length, "model": model_config.fields_dict(), "graphs": graphs,
         # a build with a draft: k + 1 tokens per verify step (the speculation graph), the target states it returns

@@ -15,7 +15,7 @@ from ..config import parallel
 from ..config.draft import DraftConfig, parse_draft_config
 from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, HBM_BYTES_PER_S, PEAK_FLOPS_PER_S, Itl, collectives, decode_floor_ms, \
-    decode_itl, link_seconds, tp_experts_itl, ttft
+    decode_itl, link_seconds, ttft
 from .fit import largest_batch, largest_context
 from .memory import GIB, HBM_PER_RANK_GIB, LAYOUTS, PAGED, PAGED_SEGMENTS, PAGED_TILE, ChunkError, MemoryPlan, \
     PlanError, cache_tokens, plan, weight_bytes
@@ -64,8 +64,9 @@ def format_itl(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY
     """The two ``decode ITL estimate`` lines of a plan: a plain decode step (:func:`.cost.decode_itl`) and a fused
     EAGLE3 step of ``k`` drafts at mean acceptance :data:`.speculative.ITL_ACCEPTANCE` (:func:`.speculative.fused_itl`),
     per step and per token; the paged layout's second line says it is not covered. With expert parallelism, a third
-    line projects decode-only tensor-parallel experts (:func:`format_tp_experts`)."""
-    plain = decode_itl(c, p.tp, p.ep, p.batch, cache_tokens(c, p.tp, p.seq, p.layout), p.weights, p.kv_dtype,
+    line gives the other ``--decode-experts`` choice (:func:`format_decode_experts`). A decode step reads the
+    experts at :attr:`MemoryPlan.decode_ep`."""
+    plain = decode_itl(c, p.tp, p.decode_ep, p.batch, cache_tokens(c, p.tp, p.seq, p.layout), p.weights, p.kv_dtype,
                        p.layout, latency_s)
     at = f"at batch {p.batch}, {p.seq} tokens"
     line = f"decode ITL estimate {at}: {plain.total_s * 1e3:.2f} ms per step = {_itl(plain, latency_s)}"
@@ -73,34 +74,37 @@ def format_itl(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY
         return [line, "decode ITL estimate, fused EAGLE3 step: not covered for the paged layout (vLLM Neuron drafts "
                       "in a separate EagleProposer call and this model samples on the host; planner/speculative.py "
                       "models NxDI's fused step)"]
-    fused = fused_itl(c, p.tp, p.ep, p.batch, p.seq, k, p.weights, p.kv_dtype, draft, p.layout, latency_s)
+    fused = fused_itl(c, p.tp, p.decode_ep, p.batch, p.seq, k, p.weights, p.kv_dtype, draft, p.layout, latency_s)
     lines = [line,
              f"decode ITL estimate, fused EAGLE3 step (k={k}, acceptance {ITL_ACCEPTANCE}) {at}: "
              f"{fused.total_s * 1e3:.2f} ms per step, {fused.total_s / ITL_ACCEPTANCE * 1e3:.2f} ms per token = "
              f"{_itl(fused, latency_s)}"]
     if p.ep > 1:
-        lines.append(format_tp_experts(c, p, latency_s))
+        lines.append(format_decode_experts(c, p, latency_s))
     return lines
 
 
-def format_tp_experts(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY_S) -> str:
-    """The projection line of :func:`.cost.tp_experts_itl` (not a ``decode ITL estimate`` line: not built): its ITL
-    and the memory of the second copy of the routed experts."""
-    proj = tp_experts_itl(c, p.tp, p.batch, cache_tokens(c, p.tp, p.seq, p.layout), p.weights, p.kv_dtype, p.layout,
-                          latency_s)
-    extra = weight_bytes(c, p.tp, 1, p.weights)[1]["routed experts"]
-    total = p.total_bytes + extra
+def format_decode_experts(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY_S) -> str:
+    """The other ``--decode-experts`` choice beside a plan: its plain decode ITL and its memory (the decode copy of
+    the routed experts, ``weight_bytes(..., decode_experts="tp")``, added or taken away)."""
+    other = "ep" if p.decode_experts == "tp" else "tp"
+    itl = decode_itl(c, p.tp, parallel.decode_ep(p.ep, other), p.batch, cache_tokens(c, p.tp, p.seq, p.layout),
+                     p.weights, p.kv_dtype, p.layout, latency_s)
+    copy = weight_bytes(c, p.tp, p.ep, p.weights, "tp")[1]["decode expert copy"]
+    total = p.total_bytes + (copy if other == "tp" else -copy)
     fits = "fits" if total <= p.hbm_bytes else "does not fit"
-    return (f"projection (not built), decode with a second copy of the routed experts sharded over all {p.tp} ranks: "
-            f"{proj.total_s * 1e3:.2f} ms per step = {_itl(proj, latency_s)}; the copy adds {extra / GIB:.2f} GiB per "
-            f"rank: {total / GIB:.2f} GiB, {fits}")
+    what = (f"a decode copy of the routed experts over all {p.tp} ranks, read by selected expert: adds "
+            if other == "tp" else "decode reads the prefill's expert shards, no copy: saves ")
+    return (f"with --decode-experts {other} ({what}{copy / GIB:.2f} GiB per rank): {itl.total_s * 1e3:.2f} ms per "
+            f"step = {_itl(itl, latency_s)}; {total / GIB:.2f} GiB, {fits}")
 
 
 def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None,
                 latency_s: float = COLLECTIVE_LATENCY_S, k: int = ITL_K, draft: DraftConfig = M3_DRAFT) -> str:
     gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
     lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={parallel.moe_tp(p.tp, p.ep)}), batch={p.batch}, seq={p.seq}, "
-             f"prefill batch={p.ctx_batch}, weights {p.weights}, KV {p.kv_dtype}, {p.layout} caches"
+             f"prefill batch={p.ctx_batch}, weights {p.weights}"
+             f"{', decode experts tp (a copy)' if p.decode_experts == 'tp' else ''}, KV {p.kv_dtype}, {p.layout} caches"
              f"{' (vLLM Neuron)' if p.layout == PAGED else ''}; per rank:"]
     lines.append(f"  weights              {gib(p.weight_bytes)}")
     for name, n in (parts or {}).items():
@@ -159,7 +163,8 @@ def _cells(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, layout
         return f"{'chunk > context':>{width}}"
     except PlanError:  # the paged layout refusing the options
         return f"{_refused(kw):>{width}}"
-    floor = decode_floor_ms(c, tp, ep, batch, cache_tokens(c, tp, seq, layout), p.weights, p.kv_dtype, layout)
+    floor = decode_floor_ms(c, tp, p.decode_ep, batch, cache_tokens(c, tp, seq, layout), p.weights, p.kv_dtype,
+                            layout)
     head = f"{p.chunk:>6} " if layout != "replicated" else ""
     if layout == PAGED:  # no TTFT model
         return f"{head}{p.total_bytes / GIB:7.2f} {'yes' if p.fits else 'no':>4} {floor:9.2f}"
@@ -169,7 +174,9 @@ def _cells(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, layout
 
 def _refused(kw: dict) -> str:
     """What a layout's cell says when :func:`plan` refuses the options (the paged layout: bf16 only today)."""
-    return "bf16 only" if "fp8" in (kw.get("weights"), kw.get("kv_dtype")) else "not served"
+    if "fp8" in (kw.get("weights"), kw.get("kv_dtype")):
+        return "bf16 only"
+    return "decode ep only" if kw.get("decode_experts") == "tp" else "not served"
 
 
 def _segment(chunk: int | None) -> int | None:
@@ -236,6 +243,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "--layout paged: the prefill segment, vLLM Neuron's max_num_batched_tokens, one of "
                          "512..8192 (default 8192, or --seq when shorter)")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="routed-expert weight format")
+    ap.add_argument("--decode-experts", choices=parallel.DECODE_EXPERTS, default="ep",
+                    help="how decode reads the routed experts: ep (default), the prefill's expert shards, every "
+                         "local expert each step; tp, a second copy split over all --tp ranks, a step reading only "
+                         "its tokens' experts' slices (the port's --decode-experts; costs the copy's memory)")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV and index-K cache dtype")
     ap.add_argument("--ctx-batch", type=int, default=None,
                     help="replicated: sequences prefilled together (default 1: continuous batching; B: static; "
@@ -284,7 +295,8 @@ def latency_seconds(us: str | float | None) -> float:
 
 def run(args: argparse.Namespace) -> int:
     c = M3Config.from_pretrained(args.config) if args.config else M3Config.preset("m3")
-    kw = dict(weights=args.weights, kv_dtype=args.kv_dtype, reserve_gib=args.reserve_gib, hbm_gib=args.hbm_gib)
+    kw = dict(weights=args.weights, kv_dtype=args.kv_dtype, reserve_gib=args.reserve_gib, hbm_gib=args.hbm_gib,
+              decode_experts=args.decode_experts)
     try:
         lat = latency_seconds(args.collective_latency_us)
         draft = _draft(args.draft)
@@ -294,8 +306,8 @@ def run(args: argparse.Namespace) -> int:
         shard_chunk = None if args.layout == PAGED else args.chunk
         sharded_chunk = plan(c, args.tp, args.ep, args.batch, args.seq, layout="sharded", chunk=shard_chunk,
                              **kw).chunk
-        print(format_plan(p, c, weight_bytes(c, args.tp, args.ep, args.weights)[1], lat, args.speculative or ITL_K,
-                          draft))
+        print(format_plan(p, c, weight_bytes(c, args.tp, args.ep, args.weights, args.decode_experts)[1], lat,
+                          args.speculative or ITL_K, draft))
         print()
         print(format_collectives(c, args.tp, args.ep, args.batch, sharded_chunk, lat))
         print()
@@ -303,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_largest(c, args.tp, args.ep, args.batch, args.seq, kw, shard_chunk, segment))
         if args.speculative:
             print()
-            rows = project(c, args.tp, args.ep, args.seq, args.speculative, args.weights, args.kv_dtype, draft,
+            rows = project(c, args.tp, p.decode_ep, args.seq, args.speculative, args.weights, args.kv_dtype, draft,
                            latency_s=lat)
             print(format_projection(rows, args.seq, args.weights))
     except PlanError as e:

@@ -129,16 +129,6 @@ def decode_itl(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weights: 
     return step_itl(sum(b.values()), collectives(c, tp, ep, batch, layout), latency_s)
 
 
-def tp_experts_itl(c: M3Config, tp: int, batch: int, bucket: int, weights: str = "bf16", kv_dtype: str = "bf16",
-                   layout: str = PORT_LAYOUT, latency_s: float = COLLECTIVE_LATENCY_S) -> Itl:
-    """A projection for issue 34 (the port does not build it): the decode ITL if token generation read a second copy of
-    the routed experts sharded over all ``tp`` ranks (NxDI 0.9's hybrid sharding, ``moe_tkg_tp_degree = tp``; the
-    prefill keeps its expert parallelism), so a step reads only its tokens' experts' ``1/tp`` slices
-    (:func:`weights_read` at ``ep`` 1: at most ``batch x top_k`` of them) where ``ep`` 64 reads both whole local
-    experts. The collectives are the same (the MoE's output is one all-reduce either way)."""
-    return decode_itl(c, tp, 1, batch, bucket, weights, kv_dtype, layout, latency_s)
-
-
 def _per_token_flops(c: M3Config, tp: int) -> int:
     """Dot FLOPs per token per rank outside attention, the indexer's scores and the routed experts: q, k, v, o and
     index q, k projections, dense MLP and shared-expert shards, the fp32 router."""

@@ -62,11 +62,19 @@ def require_fit(c: M3Config, tp: int, ep: int, batch: int, seq: int, **kw) -> Me
     g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
     calls = {"sharded": f", prefill calls of {p.chunk} tokens",
              "paged": f", prefill segments of {p.chunk} tokens"}.get(p.layout, "")
+    copy = ", a decode copy of the experts (--decode-experts tp)" if p.decode_experts == "tp" else ""
     problems = [
-        f"batch {batch} x {seq} tokens ({p.layout} caches{calls}, {p.weights} experts) needs "
+        f"batch {batch} x {seq} tokens ({p.layout} caches{calls}, {p.weights} experts{copy}) needs "
         f"{g(p.total_bytes)} GiB per rank of {g(p.hbm_bytes)}: weights {g(p.weight_bytes)}, KV {g(p.kv_bytes)}, "
         f"index-K {g(p.index_k_bytes)}, prefill {g(p.prefill_bytes)}, reserve {g(p.reserve_bytes)}",
         f"largest context at batch {batch}: {ctx} tokens" if ctx else f"no context fits at batch {batch}",
         f"largest batch at {seq} tokens: {bat}" if bat else f"not even batch 1 fits at {seq} tokens",
     ]
+    if p.decode_experts == "tp" or ep > 1 and p.layout != "paged":  # the other choice of how decode reads experts
+        other = "ep" if p.decode_experts == "tp" else "tp"
+        alt = {**kw, "decode_experts": other}
+        ctx2, bat2 = largest_context(c, tp, ep, batch, **alt), largest_batch(c, tp, ep, seq, **alt)
+        fits2 = plan(c, tp, ep, batch, seq, **alt).fits
+        problems.append(f"with --decode-experts {other}: " + ("it fits" if fits2 else
+                        f"largest context at batch {batch} {ctx2} tokens, largest batch at {seq} tokens {bat2}"))
     raise FitError(problems, ctx, bat)

@@ -109,6 +109,12 @@ class MemoryPlan:
     phases: tuple[tuple[str, int], ...] = ()  # the two prefill phases (attention, MoE), the larger counted
     layout: str = "replicated"
     group: int = 1  # G: ranks sharing a KV head (the sharded caches are split G ways)
+    decode_experts: str = "ep"  # "tp": decode reads a second copy of the routed experts split over all ranks
+
+    @property
+    def decode_ep(self) -> int:
+        """The expert-parallel degree the decode graphs read the experts at (``parallel.decode_ep``)."""
+        return parallel.decode_ep(self.ep, self.decode_experts)
 
     @property
     def total_bytes(self) -> int:
@@ -164,13 +170,15 @@ def cache_tokens(c: M3Config, tp: int, seq: int, layout: str) -> int:
     return -(-seq // m) * m
 
 
-def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[int, dict[str, int]]:
+def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16", decode_experts: str = "ep"
+                 ) -> tuple[int, dict[str, int]]:
     """Per-rank weight bytes and their breakdown: embedding and LM head sharded over TP (vocab padded to a multiple
     of TP); attention with ``num_heads / tp`` query heads and the KV heads split or replicated to TP; the indexer's
     query projection like the KV heads and its single index-key head on every rank; dense MLPs and the shared
     expert TP-sharded; routers (fp32, every rank); routed experts ``num_experts / ep`` per rank, each sharded over
     ``moe_tp``. ``fp8``: routed experts in NxD's expert-wise per-channel e4m3 layout (1 byte per weight + an fp32
-    scale per output channel of each local expert), everything else bf16."""
+    scale per output channel of each local expert), everything else bf16. ``decode_experts="tp"``: a second copy of
+    the routed experts for the decode graphs, split over all ``tp`` ranks (``parallel.decode_tp_experts``)."""
     problems = parallel.parallel_layout_problems(c, tp, ep)
     if problems:
         raise PlanError(problems)
@@ -182,10 +190,14 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[
     n_moe = sum(c.moe_layers)
     n_sparse = sum(c.sparse_layers)
     vocab = -(-c.vocab_size // tp) * tp
-    i_rank = c.intermediate_size // moe_tp
-    experts = n_moe * parallel.local_experts(c.num_experts, ep) * 3 * h * i_rank * (FP8 if weights == "fp8" else BF16)
-    if weights == "fp8":  # scales [E, 1, 2I/moe_tp] (gate/up, sharded with its columns) and [E, 1, H] (down)
-        experts += n_moe * parallel.local_experts(c.num_experts, ep) * (2 * i_rank + h) * FP32
+
+    def experts_of(local: int, i_rank: int) -> int:
+        n = n_moe * local * 3 * h * i_rank * (FP8 if weights == "fp8" else BF16)
+        if weights == "fp8":  # scales [E, 1, 2I/moe_tp] (gate/up, sharded with its columns) and [E, 1, H] (down)
+            n += n_moe * local * (2 * i_rank + h) * FP32
+        return n
+
+    experts = experts_of(parallel.local_experts(c.num_experts, ep), c.intermediate_size // moe_tp)
     parts = {
         "embedding + lm_head": 2 * vocab // tp * h * BF16,
         "attention": c.num_layers * (2 * q * d * h + 2 * kv * d * h + 2 * d) * BF16,
@@ -196,6 +208,8 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16") -> tuple[
         "routers (fp32)": n_moe * (c.num_experts * h + c.num_experts) * FP32,
         "routed experts": experts,
     }
+    if decode_experts == "tp":
+        parts["decode expert copy"] = experts_of(c.num_experts, c.intermediate_size // tp)
     return sum(parts.values()), parts
 
 
@@ -376,9 +390,9 @@ def prefill_persistent_bytes(c: M3Config, tp: int, tokens: int, ctx_batch: int =
 
 
 def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_dtype: str, ctx_batch: int,
-          tiles: int, max_tile: int, moe_block: int, reserve: int, hbm: int, layout: str, chunk: int
-          ) -> MemoryPlan:
-    w, _ = weight_bytes(c, tp, ep, weights)
+          tiles: int, max_tile: int, moe_block: int, reserve: int, hbm: int, layout: str, decode_experts: str,
+          chunk: int) -> MemoryPlan:
+    w, _ = weight_bytes(c, tp, ep, weights, decode_experts)
     kv_cache, index_k = cache_bytes(c, tp, batch, seq, layout, kv_dtype)
     if layout == "sharded":
         tokens = chunk
@@ -416,7 +430,7 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
                      f"(max_num_batched_tokens); a segment's MoE as the model's static formulation computes it "
                      f"({static_strategy(chunk, c.top_k, n_local)}, ops.moe)")
     return MemoryPlan(tp, ep, batch, seq, ctx_batch, weights, kv_dtype, w, kv_cache, index_k, prefill, reserve,
-                      hbm, tuple(notes), chunk, tuple(phases.items()), layout, g)
+                      hbm, tuple(notes), chunk, tuple(phases.items()), layout, g, decode_experts)
 
 
 def chunk_choices(c: M3Config, tp: int, seq: int, cap: int = MAX_CHUNK) -> list[int]:
@@ -428,7 +442,7 @@ def chunk_choices(c: M3Config, tp: int, seq: int, cap: int = MAX_CHUNK) -> list[
 def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
          ctx_batch: int | None = None, tiles: int = PREFILL_TILES, max_tile: int = PREFILL_MAX_TILE,
          moe_block: int = 512, reserve_gib: float = 3.0, hbm_gib: float = HBM_PER_RANK_GIB,
-         layout: str = PORT_LAYOUT, chunk: int | None = None) -> MemoryPlan:
+         layout: str = PORT_LAYOUT, chunk: int | None = None, decode_experts: str = "ep") -> MemoryPlan:
     """Per-rank HBM for serving ``batch`` sequences of up to ``seq`` tokens on a ``tp`` x ``ep`` layout.
 
     ``replicated``: the prefill's query chunk follows ``chunks`` / ``max_tile`` (the port's ``prefill_tiles`` /
@@ -438,9 +452,12 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     ``paged`` (the vLLM Neuron model): ``chunk`` is the prefill segment (:func:`segment_tokens`: one of the plugin's
     segment sizes, default the largest or the whole prompt below it; else :class:`ChunkError`); bf16 experts and
     pages only, one request per prefill, the vocabulary split evenly (what the model serves; else
-    :class:`PlanError`)."""
+    :class:`PlanError`). ``decode_experts="tp"``: the port's decode copy of the routed experts
+    (``--decode-experts tp``), counted in the weights."""
     if weights not in ("bf16", "fp8") or kv_dtype not in ("bf16", "fp8"):
         raise PlanError("weights and kv dtype are bf16 or fp8")
+    if decode_experts not in parallel.DECODE_EXPERTS:
+        raise PlanError(f"decode experts {decode_experts!r} is one of {', '.join(parallel.DECODE_EXPERTS)}")
     if layout not in LAYOUTS:
         raise PlanError(f"layout {layout!r} is one of {', '.join(LAYOUTS)}")
     if min(tp, ep, batch, seq, tiles, max_tile, moe_block) < 1:
@@ -461,6 +478,9 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
         if kv_dtype != "bf16":
             problems.append(f"--kv-dtype {kv_dtype}: the vLLM Neuron model keeps its pages in the model's dtype "
                             "(vLLM's --kv-cache-dtype auto); plan it with --kv-dtype bf16")
+        if decode_experts != "ep":
+            problems.append("--decode-experts tp is the NxDI port's (NxD's hybrid sharding); the vLLM Neuron model "
+                            "reads its experts one way: plan it with --decode-experts ep")
         if ctx_batch != 1:
             problems.append(f"--ctx-batch {ctx_batch}: vLLM Neuron prefills one request per forward (its scheduler's "
                             "max_prefills_per_batch is 1); leave --ctx-batch unset")
@@ -468,7 +488,7 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
             raise PlanError(problems)
     _heads(c, c.num_heads, tp)
     args = (c, tp, ep, batch, seq, weights, kv_dtype, ctx_batch, tiles, max_tile, moe_block,
-            int(reserve_gib * GIB), int(hbm_gib * GIB), layout)
+            int(reserve_gib * GIB), int(hbm_gib * GIB), layout, decode_experts)
     if layout == "replicated":
         return _plan(*args, 0)
     if layout == PAGED:

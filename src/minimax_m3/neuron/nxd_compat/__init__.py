@@ -39,8 +39,8 @@ from __future__ import annotations
 from .compile_time import SAMPLING_PARAMS_INPUT, compiler_workdir, map_example_sampling_params, own_commands
 from .cpu_mode import cpu_argmax, to_cpu
 from .forward import (KVGroupOps, M3ExpertMLPs, OnDeviceSamplingHook, SpeculationOutputs, dispatch_ep_at_any_batch,
-                      forward_kwargs, infer_attention_mask, is_context_encoding, kv_process_group, replace_router,
-                      sampler_global_top_k)
+                      forward_kwargs, infer_attention_mask, is_context_encoding, kv_process_group, one_clamp_shift,
+                      replace_router, sampler_global_top_k)
 from .privates import PRIVATES
 from .weights import (checkpoint_path, fused_state_dict, layout_transformation_requested, nxd_sharding_model,
                       shard_part, with_fused_prefix)
@@ -49,6 +49,7 @@ __all__ = [
     "KVGroupOps", "M3ExpertMLPs", "OnDeviceSamplingHook", "PRIVATES", "SAMPLING_PARAMS_INPUT", "SpeculationOutputs",
     "checkpoint_path", "compiler_workdir", "cpu_argmax", "dispatch_ep_at_any_batch", "forward_kwargs",
     "fused_state_dict", "infer_attention_mask", "is_context_encoding", "kv_process_group",
-    "layout_transformation_requested", "map_example_sampling_params", "nxd_sharding_model", "own_commands",
+    "layout_transformation_requested", "map_example_sampling_params", "nxd_sharding_model", "one_clamp_shift",
+    "own_commands",
     "replace_router", "sampler_global_top_k", "shard_part", "to_cpu", "with_fused_prefix",
 ]

@@ -64,6 +64,15 @@ def _to_cpu(app) -> None:
                 application_base.init_custom_process_group_fn(app.config)
 
             stack.enter_context(mock.patch.object(application_base, "initialize_model_parallel", init_with_draft_group))
+        if app.neuron_config.hybrid_sharding_config is not None:  # --decode-experts tp: NxD's MoE groups on gloo
+            init_model_parallel = application_base.initialize_model_parallel
+
+            def init_with_moe_groups(*args, **kwargs):
+                init_model_parallel(*args, **kwargs)
+                _gloo_moe_groups(app.neuron_config.hybrid_sharding_config)
+
+            stack.enter_context(mock.patch.object(application_base, "initialize_model_parallel",
+                                                  init_with_moe_groups))
         try:
             app.to_cpu()
         finally:
@@ -74,6 +83,42 @@ def _to_cpu(app) -> None:
         app.context_encoding_model.model.register_forward_pre_hook(_prefill_positions)
         for wrapper in app.models:
             wrapper.model.kv_mgr = _FusedStateSink(wrapper.model)
+
+
+def _gloo_moe_groups(h) -> None:
+    """NxD's four hybrid-sharding MoE process groups (decode and prefill, tensor- and expert-parallel) as gloo groups
+    this rank belongs to.
+
+    Targets NxD 0.18 (``modules/moe/moe_process_group.py``: ``init_tensor_expert_parallel_moe_process_groups``, which
+    NxDI's ``initialize_moe_module`` calls). It builds each group as ``new_group(mesh[0], pg_options={"xla_pg_options":
+    {"mesh": mesh}})``, an XLA SPMD mesh; under gloo that is the first group only, and any rank outside it gets
+    torch's non-member marker (an ``int``), which the expert MLPs then call ``.size()`` on. It builds nothing when
+    its globals are set, so they are set here first: every rank creates every group of each mesh (torch requires all
+    ranks in each ``new_group``) and keeps its own."""
+    from neuronx_distributed.modules.moe import moe_process_group as mpg
+    from neuronx_distributed.parallel_layers.parallel_state import initialize_model_parallel
+
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def own(meshes):
+        mine = None
+        for ranks in meshes:
+            group = dist.new_group(ranks, backend="gloo")
+            mine = group if rank in ranks else mine
+        return mine
+
+    def meshes(tp, ep):
+        groups = initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                           mesh_only=True, lnc_size=1)
+        return groups.tp_groups, groups.ep_model_groups
+
+    tkg_tp, tkg_ep = meshes(h.moe_tkg_tp_degree, h.moe_tkg_ep_degree)
+    cte_tp, cte_ep = meshes(h.moe_cte_tp_degree, h.moe_cte_ep_degree)
+    mpg._MOE_TKG_TENSOR_MODEL_PARALLEL_GROUP = own(tkg_tp)
+    mpg._MOE_TKG_EXPERT_MODEL_PARALLEL_GROUP = own(tkg_ep)
+    mpg._MOE_CTE_TENSOR_MODEL_PARALLEL_GROUP = own(cte_tp)
+    mpg._MOE_CTE_EXPERT_MODEL_PARALLEL_GROUP = own(cte_ep)
 
 
 class _FusedStateSink:

@@ -110,6 +110,21 @@ class M3ExpertMLPs(ExpertMLPsV2):
                                expert_affinities_masked_full=expert_affinities_masked_full)
 
 
+def one_clamp_shift(moe: nn.Module) -> None:
+    """Give the decode copy of a hybrid-sharded ``MoE`` (``mlp_op_tkg``) the prefill copy's clamp limits, in place.
+
+    Targets NxD 0.18 (``modules/moe/expert_mlps_v2.py``: ``ExpertMLPsV2.initialize_mlp_op`` adds
+    ``hidden_act_bias`` to the shared config's up-clamp limits on every call, so the second copy, built after the
+    first, clamps at ``limit + 2`` where the preshard hook moved the up bias by 1). Both copies must clamp the same
+    biased up projection at ``limit + hidden_act_bias``: the first copy's values."""
+    experts = moe.expert_mlps
+    tkg = getattr(experts, "mlp_op_tkg", None)
+    if tkg is None:
+        return
+    for name in ("gate_clamp_upper_limit", "gate_clamp_lower_limit", "up_clamp_upper_limit", "up_clamp_lower_limit"):
+        setattr(tkg, name, getattr(experts.mlp_op, name))
+
+
 def dispatch_ep_at_any_batch(moe: nn.Module) -> None:
     """Make the ``MoE``'s expert MLPs :class:`M3ExpertMLPs`, in place.
 

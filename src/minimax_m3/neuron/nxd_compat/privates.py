@@ -142,4 +142,36 @@ PRIVATES = {
         "why": "vllm-neuron's merge of override_neuron_config into its defaults (vllm.defaults.vllm_neuron_config)",
         "used_in": ("vllm/defaults.py",),
     },
+    "_MOE_TKG_TENSOR_MODEL_PARALLEL_GROUP": {
+        "kind": "internal",
+        "upstream": "NxD 0.18 modules/moe/moe_process_group.py: _MOE_TKG_TENSOR_MODEL_PARALLEL_GROUP",
+        "why": "CPU mode with --decode-experts tp: NxD makes its hybrid MoE groups with XLA meshes (new_group of "
+               "the first mesh group only), which gloo ranks outside that group cannot use; cpu_mode sets each "
+               "rank's own gloo group before NxD looks (it builds them only when unset)",
+        "used_in": ("nxd_compat/cpu_mode.py",),
+    },
+    "_MOE_TKG_EXPERT_MODEL_PARALLEL_GROUP": {
+        "kind": "internal",
+        "upstream": "NxD 0.18 modules/moe/moe_process_group.py: _MOE_TKG_EXPERT_MODEL_PARALLEL_GROUP",
+        "why": "CPU mode with --decode-experts tp: NxD makes its hybrid MoE groups with XLA meshes (new_group of "
+               "the first mesh group only), which gloo ranks outside that group cannot use; cpu_mode sets each "
+               "rank's own gloo group before NxD looks (it builds them only when unset)",
+        "used_in": ("nxd_compat/cpu_mode.py",),
+    },
+    "_MOE_CTE_TENSOR_MODEL_PARALLEL_GROUP": {
+        "kind": "internal",
+        "upstream": "NxD 0.18 modules/moe/moe_process_group.py: _MOE_CTE_TENSOR_MODEL_PARALLEL_GROUP",
+        "why": "CPU mode with --decode-experts tp: NxD makes its hybrid MoE groups with XLA meshes (new_group of "
+               "the first mesh group only), which gloo ranks outside that group cannot use; cpu_mode sets each "
+               "rank's own gloo group before NxD looks (it builds them only when unset)",
+        "used_in": ("nxd_compat/cpu_mode.py",),
+    },
+    "_MOE_CTE_EXPERT_MODEL_PARALLEL_GROUP": {
+        "kind": "internal",
+        "upstream": "NxD 0.18 modules/moe/moe_process_group.py: _MOE_CTE_EXPERT_MODEL_PARALLEL_GROUP",
+        "why": "CPU mode with --decode-experts tp: NxD makes its hybrid MoE groups with XLA meshes (new_group of "
+               "the first mesh group only), which gloo ranks outside that group cannot use; cpu_mode sets each "
+               "rank's own gloo group before NxD looks (it builds them only when unset)",
+        "used_in": ("nxd_compat/cpu_mode.py",),
+    },
 }

@@ -28,7 +28,7 @@ OVERRIDE_FIELDS = ("moe_ep_degree", "logical_nc_config", "context_encoding_bucke
                    "attn_kernel_enabled", "qkv_kernel_enabled", "mlp_kernel_enabled", "save_sharded_checkpoint",
                    "on_cpu", "blockwise_matmul_config", "quantized", "quantization_type", "quantization_dtype",
                    "quantized_checkpoints_path", "modules_to_not_convert", "prefill_chunk", "is_eagle3",
-                   "disable_kv_cache_tiling")
+                   "disable_kv_cache_tiling", "hybrid_sharding_config")
 
 
 def serving_problems(spec: EngineSpec) -> list[str]:
