@@ -220,3 +220,34 @@ def test_requantized_mxfp8_model_matches_the_release_model(tmp_path):
     (la, ta), (lb, tb) = _logits_and_tokens(mx, prompts), _logits_and_tokens(rq, prompts)
     assert not torch.equal(la, lb)  # the twin did change the weights somewhere
     assert error(lb, la)["max_abs"] < 1e-4 and ta == tb
+
+
+@pytest.mark.parametrize("strategy", ["gather", "dense", "blocks", "loop", "static"])
+def test_held_fp8_experts_equal_the_dequantized_twin(tmp_path, strategy):
+    """``quantize_experts_`` (what the vLLM Neuron model serves with ``quantization: "fp8"``): e4m3 weights with
+    fp32 per-channel scales applied to each product's output (``ops.moe.scaled``). Oracle: ``fp8_twin_``, the same
+    values dequantized before the matmul. With power-of-two scales both are exact in float32: equal logits, for every
+    MoE formulation; the experts really are held as one byte per weight."""
+    import copy
+
+    from minimax_m3.checkpoint.fp8_experts import fp8_twin_, quantize_experts_
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+    from minimax_m3.reference.engine import ReferenceEngine
+
+    ck = write_synthetic(tmp_path / "tiny", M3Config.preset("tiny"), seed=0)
+    ref = ReferenceEngine.from_pretrained(ck, device="cpu", dtype="float32", max_seq_len=256)
+    twin, held = copy.deepcopy(ref.model), copy.deepcopy(ref.model)
+    fp8_twin_(twin)
+    assert quantize_experts_(held) == 3  # the tiny model's MoE layers
+    for m in (twin, held):
+        for layer in m.layers:
+            if hasattr(layer, "moe"):
+                layer.moe.strategy = strategy
+    experts = held.layers[1].moe.experts
+    assert experts.gate_up.dtype == experts.down.dtype == torch.float8_e4m3fn
+    assert experts.gate_up_scale.shape == (8, 1, 128) and experts.down_scale.shape == (8, 1, 128)
+    prompt = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = ReferenceEngine(twin, max_seq_len=256).prefill_logits([prompt])[0]
+    got = ReferenceEngine(held, max_seq_len=256).prefill_logits([prompt])[0]
+    plain = ref.prefill_logits([prompt])[0]
+    assert torch.equal(got, want) and not torch.equal(got, plain)

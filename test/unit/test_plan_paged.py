@@ -261,8 +261,8 @@ def test_bad_input(capsys):
         plan(M3, 64, 64, 1, 131072, layout=PAGED, chunk=3000)
     with pytest.raises(ChunkError, match="at most 16384 tokens in one call"):
         plan(M3, 64, 64, 1, 32768, layout=PAGED, chunk=32768)
-    with pytest.raises(PlanError, match="--weights fp8: the vLLM Neuron model .* does not load fp8 routed experts"):
-        plan(M3, 64, 64, 1, 4096, "fp8", layout=PAGED)
+    with pytest.raises(PlanError, match="--decode-experts tp is the NxDI port's"):
+        plan(M3, 64, 64, 1, 4096, "fp8", layout=PAGED, decode_experts="tp")
     with pytest.raises(PlanError, match="--kv-dtype fp8: .* --kv-cache-dtype auto"):
         plan(M3, 64, 64, 1, 4096, kv_dtype="fp8", layout=PAGED)
     with pytest.raises(PlanError, match="--ctx-batch 2: vLLM Neuron prefills one request per forward"):
@@ -275,13 +275,13 @@ def test_bad_input(capsys):
         require_fit(M3, 64, 64, 8, 131072, layout=PAGED)
     # the CLI: one error naming the option, exit 2
     for argv, said in ((["--chunk", "3000"], "minimax-m3 plan: prefill segment (--chunk) 3000: the paged layout"),
-                       (["--weights", "fp8"], "minimax-m3 plan: --weights fp8: the vLLM Neuron model"),
+                       (["--decode-experts", "tp"], "minimax-m3 plan: --decode-experts tp is the NxDI port's"),
                        (["--kv-dtype", "fp8"], "minimax-m3 plan: --kv-dtype fp8: the vLLM Neuron model")):
         rc, out = _run(capsys, "--batch", "1", "--seq", "131072", "--layout", "paged", *argv)
         assert rc == 2 and out.startswith(said) and out.count("\n") == 1
-    # the port's layouts with fp8 experts: the paged columns say why they are empty
-    rc, out = _run(capsys, "--batch", "1", "--seq", "131072", "--weights", "fp8")
-    assert rc == 0 and "paged bf16 only" in out and out.count("bf16 only") == 7  # 5 table rows + 2 largest lines
+    # the port's layouts with an fp8 KV cache: the paged columns say why they are empty
+    rc, out = _run(capsys, "--batch", "1", "--seq", "131072", "--kv-dtype", "fp8")
+    assert rc == 0 and "paged bf16 pages only" in out and out.count("bf16 pages only") == 7  # 5 rows + 2 lines
     # --chunk of the sharded layout is not the paged layout's segment (and vice versa)
     rc, out = _run(capsys, "--batch", "1", "--seq", "131072", "--chunk", "16384")
     assert rc == 0 and "paged 171,008 tokens" in out
@@ -295,3 +295,28 @@ def test_constants_are_the_vllm_neuron_models():
     from minimax_m3.vllm_neuron.contract import Layout
 
     assert PAGED_TILE == Layout().tile
+
+
+def test_fp8_experts_by_hand():
+    """The plugin's ``quantization: "fp8"``: the routed experts per-channel e4m3 (1 byte a weight, fp32 scales per
+    expert and output channel: ``weight_bytes``'s fp8 experts), and a segment's static MoE gathering e4m3 blocks and
+    widening them (1 + 2 bytes a gathered weight, plus the gathered scales), or, ``dense``, widening every local
+    expert once. TP 64 / ep_degree 64, 8K segments: 2 local experts on every token (``dense``); ep_degree 1,
+    512-token segments: 2,048 rows over 128 experts in blocks (``ops.moe.blocks_capacity``)."""
+    from minimax_m3.ops.moe import blocks_capacity, static_strategy
+    from minimax_m3.planner import static_moe_bytes
+
+    h, i = M3.hidden_size, M3.intermediate_size
+    assert static_strategy(8192, 4, 2) == "dense"
+    assert static_moe_bytes(M3, 64, 64, 8192, "fp8") - static_moe_bytes(M3, 64, 64, 8192) == 2 * 3 * h * i * 2
+    assert static_strategy(512, 4, 128) == "blocks"
+    n, _ = blocks_capacity(512 * 4, 128)
+    i64 = i // 64
+    assert static_moe_bytes(M3, 64, 1, 512, "fp8") - static_moe_bytes(M3, 64, 1, 512) == \
+        n * (3 * h * i64 * 1 + (2 * i64 + h) * 4)
+    bf16, fp8 = (plan(M3, 64, 64, 1, 131072, w, layout=PAGED) for w in ("bf16", "fp8"))
+    experts = 57 * 2 * 3 * h * i  # 57 MoE layers x 2 local experts, bf16 -> fp8 halves their bytes
+    assert bf16.weight_bytes - fp8.weight_bytes == experts - 57 * 2 * (2 * i + h) * 4
+    assert fp8.fits and fp8.total_bytes < bf16.total_bytes
+    assert largest_context(M3, 64, 64, 1, layout=PAGED, weights="fp8") > \
+        largest_context(M3, 64, 64, 1, layout=PAGED)

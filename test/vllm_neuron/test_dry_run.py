@@ -121,3 +121,26 @@ def test_issue_33_targets_at_m3_widths(tmp_path):
         assert "?x" not in text and "tensor<*" not in text  # static shapes only
         for op in ("send", "recv", "infeed", "outfeed", "custom_call"):  # nothing leaves the device inside a graph
             assert f'"stablehlo.{op}"' not in text, op
+
+
+def test_fp8_experts_decode_reads_one_byte_per_expert_weight(report, tmp_path):
+    """``--weights fp8`` (the plugin's ``quantization: "fp8"``): the same buckets lowered with e4m3 routed experts
+    (torch-mlir keeps ``f8E4M3FN``). At decode batch 1 each MoE layer gathers its 2 chosen experts: per expert
+    ``3 x 128 x 64`` weights at 1 byte instead of 2, plus the gathered fp32 scales ``(2 x 64 + 128) x 4``, over the 3
+    MoE layers; everything else the bf16 build's. The planner's fp8 minimum within 10 %."""
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+
+    ckpt = write_synthetic(tmp_path / "tiny", "tiny", seed=0)
+    out = tmp_path / "fp8"
+    r = _dry_run(ckpt, out, "--prefill-chunk", "512", "--batch", "1", "--weights", "fp8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((out / "graphs.json").read_text())
+    assert json.loads((out / "dry_run.json").read_text())["weights"] == "fp8"
+    (fp8,) = [g for g in rep["graphs"] if g["submodel"] == "token_generation_model"]
+    (bf16,) = [g for g in report[1]["graphs"] if (g["submodel"], g["batch"]) == ("token_generation_model", 1)]
+    saved = 3 * 2 * (3 * 128 * 64 * (2 - 1) - (2 * 64 + 128) * 4)
+    assert bf16["bytes_read"]["weights"] - fp8["bytes_read"]["weights"] == saved
+    a = fp8["analytic"]["bytes_read"]["weights"]
+    assert 0.9 * a <= fp8["bytes_read"]["weights"] <= 1.1 * a
+    text = (out / json.loads((out / "dry_run.json").read_text())["graphs"][1]["stablehlo"]).read_text()
+    assert "f8E4M3FN" in text

@@ -191,3 +191,35 @@ def test_compiled_like_the_plugin_no_recompile(m3, tmp_path):
     for r in reqs:
         assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
     assert {r["input_ids_shape"][0] for r in records if r["event"] == "forward"} <= {32, 1, 2, 4}
+
+
+def test_fp8_experts_equal_the_reference_on_the_same_fp8_values(m3, tmp_path):
+    """``neuron_config.quantization: "fp8"`` (the plugin's knob): the routed experts held as per-channel e4m3 with
+    fp32 scales applied to each product's output (``ops.moe.scaled``). Oracle: the reference with the same experts
+    dequantized *before* the matmul (``checkpoint.fp8_experts.fp8_twin_``): with power-of-two scales both are exact
+    in float32, so the greedy tokens are the reference's token for token, with prefix caching and segments on. A
+    value the model does not serve is refused at start-up naming the option."""
+    import copy
+
+    from minimax_m3.checkpoint.fp8_experts import fp8_twin_
+    from minimax_m3.reference.engine import ReferenceEngine
+
+    path, ref = m3
+    twin = copy.deepcopy(ref.model)
+    fp8_twin_(twin)
+    oracle = ReferenceEngine(twin, max_seq_len=512)
+    long = _ids(90, 51)
+    reqs = [{"id": "p", "prompt": long, "max_tokens": 8, "arrive": 0},
+            {"id": "q", "prompt": long[:64] + _ids(9, 52), "max_tokens": 6, "arrive": 6},
+            {"id": "r", "prompt": _ids(35, 53), "max_tokens": 6, "arrive": 6}]
+    engine = dict(ENGINE, additional_config={"neuron_config": {"quantization": "fp8"}})
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "bad").mkdir()
+    out, _ = drive(tmp_path / "fp8", path, engine, reqs, env={"M3_VNEURON_MODELS": MODELS})
+    for r in reqs:
+        assert out["tokens"][r["id"]] == reference_greedy(oracle, r["prompt"], r["max_tokens"]), r["id"]
+    plain = [reference_greedy(ref, r["prompt"], r["max_tokens"]) for r in reqs]
+    assert plain != [out["tokens"][r["id"]] for r in reqs]  # the fp8 experts changed something: the oracle matters
+    with pytest.raises(AssertionError, match="quantization 'mxfp4'"):
+        drive(tmp_path / "bad", path, dict(ENGINE, additional_config={"neuron_config": {"quantization": "mxfp4"}}),
+              reqs[:1], env={"M3_VNEURON_MODELS": MODELS})

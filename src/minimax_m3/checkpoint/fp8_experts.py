@@ -145,6 +145,26 @@ def fp8_twin_(model) -> None:
                 p.copy_(dequantize(*quantize_per_channel(p.detach()), dtype=p.dtype))
 
 
+def quantize_experts_(model) -> int:
+    """Hold a reference model's routed experts as fp8, in place: each ``Experts`` module's ``gate_up`` / ``down``
+    become e4m3 (:func:`quantize_per_channel`) and its ``gate_up_scale`` / ``down_scale`` parameters their fp32
+    scales (parameters, like the weights: a captured graph takes them as inputs, not constants), which
+    ``ops.moe.scaled`` applies to each product's output (NxD's layers' rule). What the vLLM Neuron
+    model serves with ``expert_weights: fp8``; its logits equal :func:`fp8_twin_`'s (the dequantized weights) to
+    the activation dtype's rounding. Returns the number of modules converted."""
+    n = 0
+    for module in model.modules():
+        if not (hasattr(module, "gate_up") and hasattr(type(module), "scales")):
+            continue
+        with torch.no_grad():
+            for name in ("gate_up", "down"):
+                q, scale = quantize_per_channel(getattr(module, name).detach())
+                setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
+                setattr(module, f"{name}_scale", torch.nn.Parameter(scale, requires_grad=False))
+        n += 1
+    return n
+
+
 def mxfp8_twin_(model, source) -> None:
     """Replace a reference model's routed experts, loaded from an MXFP8 checkpoint (``source``: its
     :class:`~minimax_m3.checkpoint.source.Source`), in place by their per-channel requantized values (what NxD's

@@ -28,27 +28,46 @@ def combine_matrix(weights: torch.Tensor, experts: torch.Tensor, num_experts: in
     return out.scatter_add(1, experts, weights)
 
 
+def scaled(product: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A product with fp8 weights times their per-output-channel scale (``None``: weights in the activation dtype).
+    The one home of the fp8 experts' rule (NxD's ``QuantizedExpertFused*``: the matmul's *output* times the fp32
+    scale, ``checkpoint.fp8_experts``): in float32, rounded back to the product's dtype."""
+    if scale is None:
+        return product
+    return (product.float() * scale.float()).to(product.dtype)
+
+
+def _w(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A weight in the activation's dtype: e4m3 experts are widened exactly (a graph reads their bytes)."""
+    return weight if weight.dtype == like.dtype else weight.to(like.dtype)
+
+
 def expert_ffn(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
-    matmul=torch.matmul,
+    matmul=torch.matmul, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One expert on rows ``x [N, H]``; ``gate_up [H, 2I]`` (gate first), ``down [I, H]``.
 
     ``matmul`` lets a caller run the same formula through another product, e.g. a grouped matmul over
-    tokens sorted by expert (then ``gate_up``/``down`` are ``[E, H, 2I]``/``[E, I, H]``)."""
-    gate, up = matmul(x, gate_up).chunk(2, dim=-1)
-    return matmul(swiglu_oai(gate, up, alpha, limit), down)
+    tokens sorted by expert (then ``gate_up``/``down`` are ``[E, H, 2I]``/``[E, I, H]``). fp8 experts: e4m3
+    ``gate_up``/``down`` with their ``[.., 1, 2I]`` / ``[.., 1, H]`` scales (:func:`scaled`)."""
+    gate, up = scaled(matmul(x, _w(gate_up, x)), gate_up_scale).chunk(2, dim=-1)
+    h = swiglu_oai(gate, up, alpha, limit)
+    return scaled(matmul(h, _w(down, h)), down_scale)
 
 
 def moe_all_experts(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-    alpha: float = 1.702, limit: float = 7.0,
+    alpha: float = 1.702, limit: float = 7.0, gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed-expert output ``[T, H]`` with static shapes: every expert runs on every token and the routing
-    matrix zeroes what was not chosen. ``gate_up [E, H, 2I]``, ``down [E, I, H]``. Exact, XLA-traceable, and
-    O(E/k) more compute than needed: for decode-sized T, for graphs, and as the oracle of faster paths."""
-    gate, upv = torch.einsum("th,ehi->eti", x, gate_up).chunk(2, dim=-1)
-    y = torch.einsum("eti,eih->eth", swiglu_oai(gate, upv, alpha, limit), down)
+    matrix zeroes what was not chosen. ``gate_up [E, H, 2I]``, ``down [E, I, H]`` (fp8: with their scales, as
+    :func:`expert_ffn`). Exact, XLA-traceable, and O(E/k) more compute than needed: for decode-sized T, for graphs,
+    and as the oracle of faster paths."""
+    gate, upv = scaled(torch.einsum("th,ehi->eti", x, _w(gate_up, x)), gate_up_scale).chunk(2, dim=-1)
+    h = swiglu_oai(gate, upv, alpha, limit)
+    y = scaled(torch.einsum("eti,eih->eth", h, _w(down, h)), down_scale)
     comb = combine_matrix(weights, experts, gate_up.shape[0]).to(y.dtype)
     return torch.einsum("te,eth->th", comb, y)
 

@@ -173,9 +173,10 @@ def _cells(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, layout
 
 
 def _refused(kw: dict) -> str:
-    """What a layout's cell says when :func:`plan` refuses the options (the paged layout: bf16 only today)."""
-    if "fp8" in (kw.get("weights"), kw.get("kv_dtype")):
-        return "bf16 only"
+    """What a layout's cell says when :func:`plan` refuses the options (the paged layout: bf16 pages, decode
+    experts as prefill's)."""
+    if kw.get("kv_dtype") == "fp8":
+        return "bf16 pages only"
     return "decode ep only" if kw.get("decode_experts") == "tp" else "not served"
 
 

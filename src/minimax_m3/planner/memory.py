@@ -18,7 +18,8 @@ Three cache layouts (``LAYOUTS``); G = ``tp / num_kv_heads`` is the group of ran
   them, each request rounded up to whole pages. A prompt is prefilled one request per forward in segments of C tokens
   (vLLM Neuron's ``max_num_batched_tokens``: one of its segment sizes, :func:`segment_problems`), each reading the
   pages the earlier ones wrote: the working memory of ONE segment at any context, unlike ``replicated``'s one call
-  of the whole prompt. bf16 routed experts and bf16 pages only (what the model serves today).
+  of the whole prompt. bf16 or fp8 routed experts (the plugin's ``quantization: "fp8"``), bf16 pages only (what the
+  model serves today).
 
 Terms, per rank (b batch, S context rounded up to the cache multiple, d head_dim, di index_head_dim, q / kv / iq
 query / KV / index heads of the rank, qg = ``q_per_kv x kv`` query heads of the rank's KV groups, B block, K top-k,
@@ -341,7 +342,7 @@ def moe_bytes(c: M3Config, tp: int, ep: int, tokens: int, moe_block: int = 512) 
             + rows * (2 * c.hidden_size + 2 * c.intermediate_size // parallel.moe_tp(tp, ep)) * BF16)
 
 
-def static_moe_bytes(c: M3Config, tp: int, ep: int, tokens: int) -> int:
+def static_moe_bytes(c: M3Config, tp: int, ep: int, tokens: int, weights: str = "bf16") -> int:
     """Per-rank MoE bytes of the vLLM Neuron model's ``static`` formulation (``ops.moe.static_strategy``, what it
     compiles) for a call of ``tokens`` tokens: fp32 router logits and scores, and the tensors the chosen formulation
     materializes, summed (a bound on what is live at once), bf16 unless said:
@@ -351,18 +352,25 @@ def static_moe_bytes(c: M3Config, tp: int, ep: int, tokens: int) -> int:
     * ``dense``: every local expert on every token, ``E_local x T x (2i + i + h)``;
     * ``blocks`` (``ops.moe.blocks_capacity``: n blocks of b rows): the placed rows ``(n b + 1) x h``, each block's
       expert weights gathered ``n x 3 h i`` (a copy per block, not a view), gate/up, activation and output ``n b x
-      (3i + h)``, and the rows read back ``T k x h`` in fp32 and in bf16."""
+      (3i + h)``, and the rows read back ``T k x h`` in fp32 and in bf16.
+
+    ``fp8`` experts (``quantization: "fp8"``): each gathered weight is an e4m3 copy and its bf16 widening (3 bytes a
+    weight, and the gathered fp32 scales); ``dense`` widens every local expert once."""
     h, k = c.hidden_size, c.top_k
     n_local = parallel.local_experts(c.num_experts, ep)
     i = c.intermediate_size // parallel.moe_tp(tp, ep)
     rows, strategy = tokens * k, static_strategy(tokens, k, n_local)
+    fp8 = weights == "fp8"
+    per_weight = FP8 + BF16 if fp8 else BF16  # a gathered weight: its copy (and, fp8, the widened one)
+    scales = (2 * i + h) * FP32 if fp8 else 0  # a gathered expert's scales
     if strategy == "gather":
-        work = rows * (3 * h * i + 2 * h + 3 * i) * BF16
+        work = rows * (3 * h * i * per_weight + scales) + rows * (2 * h + 3 * i) * BF16
     elif strategy == "dense":
-        work = n_local * tokens * (3 * i + h) * BF16
+        work = n_local * tokens * (3 * i + h) * BF16 + (n_local * 3 * h * i * BF16 if fp8 else 0)
     else:
         n, b = blocks_capacity(rows, n_local)
-        work = ((n * b + 1) * h + n * 3 * h * i + n * b * (3 * i + h)) * BF16 + rows * h * (FP32 + BF16)
+        work = (n * (3 * h * i * per_weight + scales) + ((n * b + 1) * h + n * b * (3 * i + h)) * BF16
+                + rows * h * (FP32 + BF16))
     return 2 * tokens * c.num_experts * FP32 + work
 
 
@@ -403,7 +411,7 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
         tile = min(PAGED_TILE, chunk)
         attention = attention_tile_bytes(c, tp, s, 1, tile, dense_tile(c, tp, s, tile))
         phases = {"attention tile": sum(attention.values()) + paged_line_bytes(c, tp, 1, s, kv_dtype),
-                  "MoE": static_moe_bytes(c, tp, ep, chunk)}
+                  "MoE": static_moe_bytes(c, tp, ep, chunk, weights)}
     else:
         tokens, chunk = ctx_batch * seq, prefill_tile(c, seq, tiles, max_tile)
         phases = prefill_phases(c, tp, ep, seq, ctx_batch, chunk, moe_block)
@@ -450,8 +458,8 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     are prefilled one request per call in calls of ``chunk`` tokens (refused with :class:`ChunkError` when the
     layout cannot use it); ``None`` picks the largest of :func:`chunk_choices` that fits (else the smallest).
     ``paged`` (the vLLM Neuron model): ``chunk`` is the prefill segment (:func:`segment_tokens`: one of the plugin's
-    segment sizes, default the largest or the whole prompt below it; else :class:`ChunkError`); bf16 experts and
-    pages only, one request per prefill, the vocabulary split evenly (what the model serves; else
+    segment sizes, default the largest or the whole prompt below it; else :class:`ChunkError`); bf16 or fp8
+    experts, bf16 pages only, one request per prefill, the vocabulary split evenly (what the model serves; else
     :class:`PlanError`). ``decode_experts="tp"``: the port's decode copy of the routed experts
     (``--decode-experts tp``), counted in the weights."""
     if weights not in ("bf16", "fp8") or kv_dtype not in ("bf16", "fp8"):
@@ -471,10 +479,6 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     if layout == PAGED:
         problems = [f"{p} (the vLLM Neuron model's tp {tp} / ep_degree {ep})"
                     for p in parallel.parallel_layout_problems(c, tp, ep, even_vocab=True)]
-        if weights != "bf16":
-            problems.append(f"--weights {weights}: the vLLM Neuron model (paged layout) does not load fp8 routed "
-                            "experts yet (its loader dequantises every checkpoint to bf16); plan it with --weights "
-                            "bf16")
         if kv_dtype != "bf16":
             problems.append(f"--kv-dtype {kv_dtype}: the vLLM Neuron model keeps its pages in the model's dtype "
                             "(vLLM's --kv-cache-dtype auto); plan it with --kv-dtype bf16")

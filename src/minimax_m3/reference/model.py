@@ -64,11 +64,20 @@ class DenseMLP(nn.Module):
 
 
 class Experts(nn.Module):
+    """This rank's routed experts, ``gate_up [E, H, 2I]`` and ``down [E, I, H]``; fp8 experts
+    (``checkpoint.fp8_experts.quantize_experts_``) hold them e4m3 with ``gate_up_scale`` / ``down_scale``."""
+
     def __init__(self, c: M3Config, plan: ShardPlan):
         super().__init__()
         e, inter = len(plan.experts(c)), c.intermediate_size // plan.moe_tp
         self.gate_up = nn.Parameter(torch.empty(e, c.hidden_size, 2 * inter))
         self.down = nn.Parameter(torch.empty(e, inter, c.hidden_size))
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp8 experts' ``(gate_up_scale [E, 1, 2I], down_scale [E, 1, H])`` parameters, else None."""
+        up = getattr(self, "gate_up_scale", None)
+        return None if up is None else (up, self.down_scale)
 
 
 class MoE(nn.Module):
@@ -87,7 +96,7 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, experts = ops.route(x, self.router.weight, self.e_score_correction_bias, self.c.top_k, self.ordered)
         routed = routed_experts(x, weights, experts, self.experts.gate_up, self.experts.down, self.c,
-                                self.first_expert, self.strategy)
+                                self.first_expert, self.strategy, self.experts.scales)
         return (routed * self.c.routed_scaling_factor + self.shared(x)).view(shape)
 
 

@@ -39,7 +39,12 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 STRATEGIES = ("grouped", "gather", "loop", "dense", "blocks")
 
 
-def _blocks(x, weights, key, gate_up, down, c: M3Config, wide) -> torch.Tensor:
+def _pick(scale, ids):
+    """The fp8 scales of the experts ``ids`` (None without fp8 experts)."""
+    return None if scale is None else scale.index_select(0, ids)
+
+
+def _blocks(x, weights, key, gate_up, down, c: M3Config, wide, scales=(None, None)) -> torch.Tensor:
     """Static shapes, no sort: each (token, slot) row placed in its expert's run of blocks (its rank within the
     expert from a one-hot running count), one batched product per block with that block's expert's weights gathered,
     rows read back in (token, slot) order. ``key [T, K]``: the local expert, ``E_local`` for rows routed elsewhere
@@ -59,7 +64,9 @@ def _blocks(x, weights, key, gate_up, down, c: M3Config, wide) -> torch.Tensor:
     block_expert = ((torch.arange(n_blocks, device=x.device) * block).unsqueeze(1) >= ends).sum(1)
     block_expert = block_expert.clamp(max=n_local - 1)  # blocks past the last expert's: zero rows, any weights
     ys = ops.expert_ffn(xs[:cap].view(n_blocks, block, -1), gate_up.index_select(0, block_expert),
-                        down.index_select(0, block_expert), c.swiglu_alpha, c.swiglu_limit).reshape(cap, -1)
+                        down.index_select(0, block_expert), c.swiglu_alpha, c.swiglu_limit,
+                        gate_up_scale=_pick(scales[0], block_expert),
+                        down_scale=_pick(scales[1], block_expert)).reshape(cap, -1)
     mine = (key < n_local).unsqueeze(-1)
     w = torch.where(key < n_local, weights.reshape(-1), 0.0)
     contrib = (ys.index_select(0, dest.clamp(max=cap - 1)).to(wide) * w[:, None]).to(x.dtype)
@@ -77,14 +84,17 @@ def pick_strategy(device: torch.device, dtype: torch.dtype, rows: int, n_local: 
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, c: M3Config, first_expert: int = 0, strategy: str | None = None
-                   ) -> torch.Tensor:
+                   down: torch.Tensor, c: M3Config, first_expert: int = 0, strategy: str | None = None,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Sum over each token's chosen (local) experts of ``weight * expert(x)`` (before routed scaling), ``[T, H]``.
 
     ``gate_up [E_local, H, 2I_local]`` (gate first), ``down [E_local, I_local, H]``. Each expert's contribution is
     rounded to the activation dtype before the ``k`` contributions of a token are summed, like transformers.
-    ``strategy=None`` picks one with :func:`pick_strategy`; all give the same sums (tested).
+    ``strategy=None`` picks one with :func:`pick_strategy`; all give the same sums (tested). ``scales``: fp8
+    experts (``gate_up``/``down`` e4m3) with their per-channel scales ``([E_local, 1, 2I], [E_local, 1, H])``
+    (``ops.moe.scaled``: each product's output times its scale; ``checkpoint.fp8_experts.quantize_experts_``).
     """
+    su, sd = scales or (None, None)
     t, k = experts.shape
     n_local = gate_up.shape[0]
     strategy = strategy or pick_strategy(x.device, x.dtype, t * k, n_local)
@@ -97,15 +107,18 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     local = experts if every else experts - first_expert
     mine = None if every else (local >= 0) & (local < n_local)
     if strategy == "blocks":
-        return _blocks(x, weights, local if every else torch.where(mine, local, n_local), gate_up, down, c, wide)
+        return _blocks(x, weights, local if every else torch.where(mine, local, n_local), gate_up, down, c, wide,
+                       (su, sd))
     if strategy == "dense":  # every local expert on every token, unchosen ones weighted 0: no sort, static shapes
         w = weights if every else torch.where(mine, weights, 0.0)
-        return ops.moe_all_experts(x, w, local.clamp(0, n_local - 1), gate_up, down, c.swiglu_alpha, c.swiglu_limit)
+        return ops.moe_all_experts(x, w, local.clamp(0, n_local - 1), gate_up, down, c.swiglu_alpha, c.swiglu_limit,
+                                   gate_up_scale=su, down_scale=sd)
     if strategy == "gather":  # rows in (token, slot) order: no sorting at all
         ids = (local if every else local.clamp(0, n_local - 1)).reshape(-1)
         xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, 1, x.shape[-1])
         ys = ops.expert_ffn(xs, gate_up.index_select(0, ids), down.index_select(0, ids), c.swiglu_alpha,
-                            c.swiglu_limit).squeeze(1)  # index_select: ~3x faster than advanced indexing on CPU
+                            c.swiglu_limit, gate_up_scale=_pick(su, ids),
+                            down_scale=_pick(sd, ids)).squeeze(1)  # index_select: ~3x faster than advanced indexing
         contrib = (ys.to(wide) * weights.reshape(-1, 1)).to(x.dtype)
         if not every:
             contrib = torch.where(mine.reshape(-1, 1), contrib, 0.0)
@@ -116,15 +129,19 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     xs = x[order // k]
     if strategy == "grouped":
         offs = counts[:n_local].cumsum(0).to(torch.int32)
+        rows = key[order].clamp(max=n_local - 1)  # each sorted row's expert: its scales
         ys = ops.expert_ffn(xs, gate_up, down, c.swiglu_alpha, c.swiglu_limit,
-                            matmul=lambda a, w: torch._grouped_mm(a, w, offs=offs))
+                            matmul=lambda a, w: torch._grouped_mm(a, w, offs=offs),
+                            gate_up_scale=None if su is None else su.index_select(0, rows).squeeze(1),
+                            down_scale=None if sd is None else sd.index_select(0, rows).squeeze(1))
     else:  # loop
         ys = torch.zeros(t * k, x.shape[-1], dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts[:n_local].tolist()):  # host read: the fallback only
             if n:
                 ys[start:start + n] = ops.expert_ffn(xs[start:start + n], gate_up[e], down[e], c.swiglu_alpha,
-                                                     c.swiglu_limit)
+                                                     c.swiglu_limit, gate_up_scale=None if su is None else su[e],
+                                                     down_scale=None if sd is None else sd[e])
             start += n
     w_sorted = (weights if every else torch.where(mine, weights, 0.0)).reshape(-1)[order]
     contrib = (ys.to(wide) * w_sorted[:, None]).to(x.dtype)

@@ -106,7 +106,7 @@ def capture(model: MiniMaxM3ForCausalLM, b: Bucket, starts: tuple[int, ...] = (0
 
 
 def rank_model(c: M3Config, world: int = 1, rank: int = 0, ep: int = 1, dtype=torch.bfloat16,
-               num_blocks: int = 64) -> MiniMaxM3ForCausalLM:
+               num_blocks: int = 64, experts: str = "bf16") -> MiniMaxM3ForCausalLM:
     """Rank ``rank`` of ``world`` with random weights at the per-rank shapes, its pages bound (``num_blocks`` of the
     index block), the load-time choices of :meth:`MiniMaxM3ForCausalLM.load_weights` made. ``world > 1`` joins (once)
     torch's ``fake`` process group of that size: collectives are captured, never run."""
@@ -118,12 +118,16 @@ def rank_model(c: M3Config, world: int = 1, rank: int = 0, ep: int = 1, dtype=to
         if not dist.is_initialized():
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         group = dist.group.WORLD
-    model = MiniMaxM3ForCausalLM(c, Layout(world=world, rank=rank, ep=ep, dtype=dtype, group=group))
+    model = MiniMaxM3ForCausalLM(c, Layout(world=world, rank=rank, ep=ep, dtype=dtype, group=group, experts=experts))
     torch.manual_seed(0)
     m3 = M3Model(c, model.plan)
     for p in m3.parameters():
         torch.nn.init.normal_(p, std=0.02)
     model.m3 = m3.to(dtype)
+    if experts == "fp8":  # what load_weights does with quantization "fp8"
+        from ..checkpoint.fp8_experts import quantize_experts_
+
+        quantize_experts_(model.m3)
     model.fix_for_capture("cpu")
     caches = {s.name: [torch.zeros(num_blocks, s.num_kv_heads, c.index_block_size, s.head_size, dtype=dtype)
                        for _ in range(2)] for s in model.get_kv_spec().layers}

@@ -37,6 +37,10 @@ except Exception:  # not installed (or its binary dependencies absent): the same
 
 
 ARCHITECTURES = ("MiniMaxM3SparseForConditionalGeneration", "MiniMaxM3SparseForCausalLM")
+# the plugin's ``neuron_config.quantization`` values this model serves: None / "bf16" (every checkpoint format
+# dequantized to the serving dtype) or "fp8" (the routed experts held as per-channel e4m3, the NxDI port's
+# --weights fp8: ``checkpoint.fp8_experts``)
+QUANTIZATION = {None: "bf16", "bf16": "bf16", "fp8": "fp8"}
 DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -54,13 +58,15 @@ def index_spec(i: int) -> str:
 class Layout:
     """One rank's serving layout: tensor-parallel ``world`` ranks (``rank`` this one; ``group`` its process group,
     None for one rank), experts over ``ep`` expert-parallel groups (``world / ep`` tensor-parallel ranks each),
-    ``dtype`` of weights and caches, ``tile`` queries per attention tile."""
+    ``dtype`` of weights and caches, ``tile`` queries per attention tile, ``experts`` the routed experts' format
+    (``bf16``: the serving dtype; ``fp8``: per-channel e4m3, from the plugin's ``quantization``)."""
 
     world: int = 1
     rank: int = 0
     ep: int = 1
     dtype: torch.dtype = torch.bfloat16
     tile: int = 256
+    experts: str = "bf16"
     group: object = field(default=None, compare=False, repr=False)
 
 
@@ -75,6 +81,14 @@ def check_serving(c: M3Config, hf_config, layout: Layout, neuron_config=None) ->
         problems.append(f"architectures {list(archs)}: this model serves {' or '.join(ARCHITECTURES)}")
     if layout.dtype not in DTYPES:
         problems.append(f"dtype {layout.dtype}: serve with --dtype bfloat16 (or float32 for tests)")
+    quant = getattr(neuron_config, "quantization", None)
+    if quant not in QUANTIZATION:
+        problems.append(f"quantization {quant!r}: this model serves bf16 (the default) or \"fp8\" (routed experts "
+                        "in per-channel e4m3, dequantized from any checkpoint format); set neuron_config.quantization "
+                        "to one of them")
+    if getattr(neuron_config, "modules_to_not_convert", None):
+        problems.append("modules_to_not_convert: quantization \"fp8\" converts the routed experts only, always; "
+                        "leave it unset")
     if c.index_head_dim % 2:
         problems.append(f"index_head_dim {c.index_head_dim} is odd: the index keys are paged as two halves")
     problems += [f"{p} (--tensor-parallel-size {layout.world}, expert parallel {layout.ep})"

@@ -70,12 +70,12 @@ def submodel(b: Bucket) -> str:
 
 
 def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dtype=torch.bfloat16,
-          log=print) -> Path:
+          log=print, experts: str = "bf16") -> Path:
     """Capture and lower each bucket of ``plan`` for rank 0 of ``tp``; write the modules and ``dry_run.json``."""
     out = Path(out)
     width = plan[0].width
     rows = max(b.batch for b in plan)
-    model = rank_model(c, world=tp, rank=0, ep=ep, dtype=dtype, num_blocks=rows * width + 1)
+    model = rank_model(c, world=tp, rank=0, ep=ep, dtype=dtype, num_blocks=rows * width + 1, experts=experts)
     graphs, index = [], {}
     for b in plan:
         name = submodel(b)
@@ -96,7 +96,7 @@ def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dt
     manifest = {"format": 1, "port": "vllm-neuron", "route": "torch.compile -> torch-mlir -> StableHLO",
                 "layout": {"tp": tp, "ep": ep, "kv_layout": "paged", "chunked": True},
                 "dtype": str(dtype).replace("torch.", ""), "batch_size": rows,
-                "max_length": width * c.index_block_size, "weights": "bf16",
+                "max_length": width * c.index_block_size, "weights": experts,
                 "speculation_length": max((b.tokens for b in plan if b.kind == "decode"), default=1),
                 "model": c.fields_dict(), "graphs": graphs}
     path = out / "dry_run.json"
@@ -106,7 +106,7 @@ def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dt
 
 def run(args) -> int:
     """The CLI: ``--model`` (config.json only), ``--tp`` (default 64: trn2.48xlarge at LNC 2), ``--ep`` (the model's
-    ``ep_degree``, default 1),
+    ``ep_degree``, default 1), ``--weights`` (``fp8``: the plugin's ``quantization: "fp8"``),
     ``--max-seq-len``, ``--batch``, ``--prefill-chunk``, ``--speculative-tokens``, ``--compiled OUT``."""
     problems = []
     try:
@@ -130,7 +130,7 @@ def run(args) -> int:
     out = args.compiled or str(Path(args.model).resolve()) + f"-vllm-neuron-tp{tp}-dry-run"
     t0 = time.perf_counter()
     print(f"vllm-neuron dry run: rank 0 of TP {tp} / EP {ep}, {c.num_layers} layers, {len(plan)} bucket(s)")
-    path = write(out, c, tp, ep, plan, DTYPES[args.dtype])
+    path = write(out, c, tp, ep, plan, DTYPES[args.dtype], experts=getattr(args, "weights", None) or "bf16")
     print(f"wrote {len(plan)} graph(s) in {time.perf_counter() - t0:.0f} s -> {path}")
     from ..graphs import report as graphs
 

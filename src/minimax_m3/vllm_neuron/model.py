@@ -16,7 +16,9 @@ slicing and math); only the cache differs. Parallel layout: query heads over the
 replicated (the plugin's Qwen3 rule, NxD's), experts over ``ep`` expert-parallel groups: the neuron config's
 ``ep_degree`` (the plugin's own knob; default 1, experts tensor-parallel as in the plugin's MoE models). At TP 64,
 ``ep_degree: 64`` is the NxDI port's layout: each rank holds 2 whole experts, its expert matmuls keep the full
-intermediate width, and one all-reduce sums routed and shared experts (no all-to-all).
+intermediate width, and one all-reduce sums routed and shared experts (no all-to-all). The plugin's
+``quantization: "fp8"`` holds the routed experts as per-channel e4m3 (the NxDI port's ``--weights fp8``), each
+product's output times its fp32 scale (``ops.moe.scaled``); the rest stays in the serving dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..config.m3 import M3Config
 from ..errors import ServingError
 from ..reference.loader import load_model
 from ..reference.parallel import ShardPlan
-from .contract import KVSpec, LayerSpec, Layout, attention_spec, check_serving, index_spec
+from .contract import QUANTIZATION, KVSpec, LayerSpec, Layout, attention_spec, check_serving, index_spec
 from .paged_cache import PagedCache
 
 
@@ -79,9 +81,11 @@ class MiniMaxM3ForCausalLM(nn.Module):
         c = M3Config.from_dict(raw, source="hf_config")
         world, rank, group = _tp_group()
         ep = getattr(neuron_config, "ep_degree", None) or 1
+        check_serving(c, hf_config, Layout(world=world, rank=rank, ep=ep, group=group,
+                                           dtype=_dtype(hf_config, neuron_config)), neuron_config)
         layout = Layout(world=world, rank=rank, ep=ep, dtype=_dtype(hf_config, neuron_config),
-                        tile=getattr(neuron_config, "attention_tile", None) or 256, group=group)
-        check_serving(c, hf_config, layout, neuron_config)
+                        tile=getattr(neuron_config, "attention_tile", None) or 256, group=group,
+                        experts=QUANTIZATION[getattr(neuron_config, "quantization", None)])
         return cls(c, layout)
 
     # ---- caches -------------------------------------------------------------------------------------------------
@@ -107,6 +111,10 @@ class MiniMaxM3ForCausalLM(nn.Module):
         path = resolve(checkpoint_path, cache_dir)
         self.m3 = load_model(path, device=device or "cpu", dtype=self.layout.dtype, config=self.config,
                              plan=self.plan)
+        if self.layout.experts == "fp8":  # this rank's routed experts, after the load (a transient bf16 copy)
+            from ..checkpoint.fp8_experts import quantize_experts_
+
+            quantize_experts_(self.m3)
         self.fix_for_capture(device or "cpu")
 
     def fix_for_capture(self, device) -> None:
