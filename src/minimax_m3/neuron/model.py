@@ -208,7 +208,10 @@ def stream_pairs(path, config: MiniMaxM3InferenceConfig):
         raise CheckpointError([f"quantization {nc.quantization_type}/{nc.quantization_dtype}: the port writes routed "
                                "experts as expert_wise_per_channel_symmetric/f8e4m3 only; use "
                                "checkpoint.fp8_experts.neuron_config_kwargs()"], source="neuron config")
-    return fp8_experts.quantize_pairs(pairs)  # e4m3 routed experts plus their .scale keys
+    pairs = fp8_experts.quantize_pairs(pairs)  # e4m3 routed experts plus their .scale keys
+    if nc.hybrid_sharding_config is not None:  # --decode-experts tp: the decode copy's scales (NxD copies the rest)
+        pairs = nxd_compat.hybrid_expert_scales(pairs)
+    return pairs
 
 
 class NeuronMiniMaxM3ForCausalLM(nxd_compat.SpeculationOutputs, NeuronBaseForCausalLM):

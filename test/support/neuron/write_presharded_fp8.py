@@ -1,6 +1,7 @@
 """One sharding run of a ``--weights fp8`` build in a fresh interpreter (NxD's mock distribution): ``python -m
-test.support.neuron.write_presharded_fp8 stream|nxd CKPT OUT TP`` writes ``OUT/tp{r}_sharded_checkpoint.safetensors``
-through ``neuron.rank_files.write_sharded`` (stream) or NxD's ``ModelBuilder.shard_checkpoint`` (nxd)."""
+test.support.neuron.write_presharded_fp8 stream|nxd CKPT OUT TP [ep|tp]`` (the last: ``--decode-experts``) writes
+``OUT/tp{r}_sharded_checkpoint.safetensors`` through ``neuron.rank_files.write_sharded`` (stream) or NxD's
+``ModelBuilder.shard_checkpoint`` (nxd)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     mode, ckpt, out, tp = argv[0], argv[1], Path(argv[2]), int(argv[3])
+    decode_experts = argv[4] if len(argv) > 4 else "ep"
     out.mkdir(parents=True, exist_ok=True)
     os.environ["BASE_COMPILE_WORK_DIR"] = str(out / "work") + "/"
     from test.support.neuron import standins
@@ -23,7 +25,8 @@ def main(argv: list[str]) -> int:
 
     m3 = M3Config.from_pretrained(ckpt)
     spec = EngineSpec(ckpt, backend="neuron", tp=tp, ep=1, lnc=1, max_seq_len=256, max_batch=1,
-                      context_buckets=(256,), token_buckets=(256,), weights="fp8").resolve(m3)
+                      context_buckets=(256,), token_buckets=(256,), weights="fp8",
+                      decode_experts=decode_experts).resolve(m3)
     config = inference_config(spec, m3, skip_sharding=True)
     app = application(ckpt, config)
     if mode == "nxd":

@@ -42,13 +42,13 @@ from .forward import (KVGroupOps, M3ExpertMLPs, OnDeviceSamplingHook, Speculatio
                       forward_kwargs, infer_attention_mask, is_context_encoding, kv_process_group, one_clamp_shift,
                       replace_router, sampler_global_top_k)
 from .privates import PRIVATES
-from .weights import (checkpoint_path, fused_state_dict, layout_transformation_requested, nxd_sharding_model,
-                      shard_part, with_fused_prefix)
+from .weights import (checkpoint_path, fused_state_dict, hybrid_expert_scales, layout_transformation_requested,
+                      nxd_sharding_model, shard_part, with_fused_prefix)
 
 __all__ = [
     "KVGroupOps", "M3ExpertMLPs", "OnDeviceSamplingHook", "PRIVATES", "SAMPLING_PARAMS_INPUT", "SpeculationOutputs",
     "checkpoint_path", "compiler_workdir", "cpu_argmax", "dispatch_ep_at_any_batch", "forward_kwargs",
-    "fused_state_dict", "infer_attention_mask", "is_context_encoding", "kv_process_group",
+    "fused_state_dict", "hybrid_expert_scales", "infer_attention_mask", "is_context_encoding", "kv_process_group",
     "layout_transformation_requested", "map_example_sampling_params", "nxd_sharding_model", "one_clamp_shift",
     "own_commands",
     "replace_router", "sampler_global_top_k", "shard_part", "to_cpu", "with_fused_prefix",

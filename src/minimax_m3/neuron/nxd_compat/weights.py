@@ -124,3 +124,18 @@ def shard_part(builder, module: nn.Module, part: dict, ranks):
         get_sharded_checkpoint(sharded, module, rank, builder.tp_degree, is_cached=True)
         yield rank, sharded
         del sharded  # one rank's slices alive at a time (the caller drops its reference too)
+
+
+def hybrid_expert_scales(pairs):
+    """A quantized state-dict stream with each routed expert ``.scale`` also under the decode copy's name
+    (``mlp_op_tkg``), for ``--decode-experts tp`` with fp8 experts.
+
+    Targets NxD 0.18 (``modules/moe/expert_mlps_v2.py``: ``ExpertMLPsV2.preshard_hook`` copies ``mlp_op``'s
+    ``gate_up_proj`` / ``down_proj`` weight and bias to ``mlp_op_tkg`` under hybrid sharding, but not a quantized
+    layer's ``scale``, so the decode copy's scales would be missing from the checkpoint). The copy is a clone of the
+    fp32 tensor (safetensors refuses shared storage); NxD shards it with the decode copy's layout."""
+    for name, tensor in pairs:
+        yield name, tensor
+        if ".expert_mlps.mlp_op." in name and name.endswith(".scale"):
+            yield name.replace(".expert_mlps.mlp_op.", ".expert_mlps.mlp_op_tkg."), tensor.clone()
+
