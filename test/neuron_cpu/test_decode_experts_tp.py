@@ -117,3 +117,25 @@ def test_decode_reads_the_copy_not_the_prefill_experts(engines):
     prefill_copy, decode_copy = zeroed("mlp_op"), zeroed("mlp_op_tkg")
     assert all(torch.equal(a, b) for a, b in zip(before[1:], prefill_copy[1:]))  # step 0 is the prefill's
     assert (before[1] - decode_copy[1]).abs().max() > 1e-3
+
+
+def test_fused_eagle3_on_the_copy_decodes_as_plain(tmp_path):
+    """Fused EAGLE3 speculation (the draft in the graph, k = 3) with the decode copy: the fused step's target reads
+    ``mlp_op_tkg``, and its greedy tokens equal plain on-device decoding of the same checkpoint without the copy
+    (the fused suite's oracle, ``test_fused_speculation.py``). The issue's fused ITL projection assumes this build."""
+    from minimax_m3.load import load_engine
+
+    from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs, tiny_target_and_draft
+
+    _, ck, draft = tiny_target_and_draft(tmp_path)
+    kw = neuron_cpu_engine_kwargs(batch_size=SLOTS, max_seq_len=192, max_context_length=CONTEXT,
+                                  prefill_chunk=CONTEXT, on_device_sampling=True)
+    fused = load_engine(str(ck), backend="neuron-cpu", draft=str(draft), num_speculative_tokens=3,
+                        fused_speculation=True, decode_experts="tp", **kw)
+    plain = load_engine(str(ck), backend="neuron-cpu", **kw)
+    target = fused.app.fused_spec_model.model.target_model
+    experts = target.layers[1].moe.expert_mlps
+    assert experts.get_mlp_op() is experts.mlp_op_tkg
+    gen = GenerationConfig(max_new_tokens=20)
+    got = [r.tokens for r in fused.generate(PROMPTS[:2], gen)]
+    assert got == [r.tokens for r in plain.generate(PROMPTS[:2], gen)]
