@@ -11,6 +11,11 @@ output channel, gate/up ``2 x I / moe_tp`` and down ``H`` per expert):
   ``weight[expert_index]``): ``4 x (3 x H x I / 64 + (2 x I / 64 + H) x 6)``; the rest of the step is unchanged;
 * the same collectives (the MoE's output is one all-reduce either way) and the same prefill graph (prefill keeps
   the expert-parallel shards).
+
+The copy on NxDI's GQA copies of the caches (``--kv-layout replicated``, the planner's fastest batch-1 build): the
+same weights read, none of the KV group's collectives (per layer the attention and MoE all-reduces only: 2 x 2 + 2
+for these two layers, where the sharded caches run 4 x 2 + 2), and each decode query's selected K/V read whole on
+the rank, 16x the sharded layout's share.
 """
 
 from __future__ import annotations
@@ -41,9 +46,11 @@ def reports(tmp_path_factory):
     model = write_config(tmp_path_factory.mktemp("cfg") / "m3_1_1",
                          M3Config().replace(num_layers=2, moe_layers=flags, sparse_layers=flags))
     out = {}
-    for mode in ("ep", "tp"):
-        d = dry_run(model, tmp_path_factory.mktemp("dry") / f"experts_{mode}", ARGS + ["--decode-experts", mode])
-        out[mode] = graphs.analyze_dir(d, write=False)
+    for name, extra in (("ep", []), ("tp", []), ("tp_replicated", ["--kv-layout", "replicated"])):
+        mode = name.split("_")[0]
+        d = dry_run(model, tmp_path_factory.mktemp("dry") / f"experts_{name}",
+                    ARGS + ["--decode-experts", mode] + extra)
+        out[name] = graphs.analyze_dir(d, write=False)
     return out
 
 
@@ -71,3 +78,22 @@ def test_prefill_keeps_the_expert_parallel_shards(reports):
     ep, tp = (_graph(reports[m], "context_encoding_model") for m in ("ep", "tp"))
     assert ep["flops"] == tp["flops"] and collective_ops(ep) == collective_ops(tp)
     assert ep["bytes_read"]["weights"] == tp["bytes_read"]["weights"]
+
+
+def test_the_copy_on_replicated_caches_runs_two_collectives_per_layer(reports):
+    sharded, rep = (_graph(reports[m], "token_generation_model") for m in ("tp", "tp_replicated"))
+    assert reports["tp_replicated"]["layout"]["kv_layout"] == "replicated"
+    assert reports["tp_replicated"]["layout"]["decode_experts"] == "tp"
+    assert abs(rep["bytes_read"]["weights"] - sharded["bytes_read"]["weights"]) <= 16
+    minimum = rep["analytic"]["bytes_read"]["weights"]
+    assert abs(rep["bytes_read"]["weights"] / minimum - 1) <= 0.01, (rep["bytes_read"], minimum)
+    ops_rep, ops_sharded = collective_ops(rep), collective_ops(sharded)
+    assert sum(ops_rep.values()) == 2 * 2 + 2 and sum(ops_sharded.values()) == 4 * 2 + 2, (ops_rep, ops_sharded)
+    assert not [k for k in ops_rep if k[-1] == "kv"]
+    assert sum(n for k, n in ops_sharded.items() if k[-1] == "kv") == 2 * 2
+    assert sum(r["count"] for r in rep["analytic"]["collectives"]) == sum(ops_rep.values())
+    # the sparse layer's selected K/V: the whole 2,048 keys on the rank against 1/16 of them
+    assert rep["gathered_kv"] == 16 * sharded["gathered_kv"] > 0, (rep["gathered_kv"], sharded["gathered_kv"])
+    print(f"\ndecode step with the copy, replicated caches: {sum(ops_rep.values())} collectives (sharded "
+          f"{sum(ops_sharded.values())}), weights read {rep['bytes_read']['weights'] / 1e6:.2f} MB, gathered K/V "
+          f"{rep['gathered_kv'] / 1024:.0f} KiB (sharded {sharded['gathered_kv'] / 1024:.0f} KiB)")

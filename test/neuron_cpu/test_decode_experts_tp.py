@@ -6,6 +6,11 @@ are tensor-parallel here: what this suite proves is that the decode graph runs o
 are changed changes decode and nothing else), with the clamp of the first copy (NxD shifts the second's twice:
 ``nxd_compat.one_clamp_shift``), and that prefill and continuous-batching decode on it equal the golden logits.
 
+Both cache layouts (``--kv-layout``): the sequence-sharded caches (the default) and NxDI's GQA copies
+(``replicated``: every rank of a KV head's group holds its caches whole, no group collectives), whose pairing with
+the copy is what the planner's fastest batch-1 decode assumes (``minimax-m3 plan --layout replicated
+--decode-experts tp``).
+
 Golden: the reference engine in float64, as ``test_sharded_caches.py`` (bound 2e-5, or 1.5x the float32
 reference's own distance from the golden where float32 cannot reach it). Batch 2 of the tiny model (8 experts,
 top 2): 4 token-expert pairs < 8 experts, so decode takes NxD's selective loading.
@@ -32,8 +37,8 @@ def _tp() -> int:
     return world_size()
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+@pytest.fixture(scope="module", params=["sharded", "replicated"])
+def engines(request, tmp_path_factory):
     from minimax_m3.checkpoint.synthetic import write_synthetic
     from minimax_m3.load import load_engine
     from minimax_m3.reference.engine import ReferenceEngine
@@ -43,7 +48,8 @@ def engines(tmp_path_factory):
     config = M3Config.preset("tiny").replace(num_kv_heads=1, index_heads=1)
     ck = write_synthetic(tmp_path_factory.mktemp("tkg") / "tiny", config, seed=0)
     port = load_engine(str(ck), backend="neuron-cpu", **neuron_cpu_engine_kwargs(
-        batch_size=SLOTS, max_seq_len=SEQ, max_context_length=CONTEXT, prefill_chunk=CHUNK, decode_experts="tp"))
+        batch_size=SLOTS, max_seq_len=SEQ, max_context_length=CONTEXT, prefill_chunk=CHUNK, decode_experts="tp",
+        kv_layout=request.param))
     ref = ReferenceEngine.from_pretrained(ck, device="cpu", dtype="float32", max_seq_len=256)
     golden = ReferenceEngine(copy.deepcopy(ref.model).double(), max_seq_len=256, max_batch_size=SLOTS)
     return port, ref, golden
@@ -59,6 +65,21 @@ def _err(got, want) -> float:
 
 def _bound(ref_err: float) -> float:
     return max(TOL, FLOOR * ref_err)
+
+
+def test_caches_follow_the_layout(engines):
+    """Sharded: each rank holds 1/G of the KV head's cache lines (G = TP here: one KV head); replicated: every rank
+    holds them whole and the group is 1 (no group collectives)."""
+    port, _, _ = engines
+    app, tp = port.app, _tp()
+    g = tp if app.config.kv_layout == "sharded" else 1
+    assert app.config.num_cores_per_group == g and app.config.prefill_chunk == CHUNK
+    for wrapper in (app.context_encoding_model, app.token_generation_model):
+        mgr = wrapper.model.kv_mgr
+        k, v = mgr.kv_lines(0)
+        assert k.shape[2] == v.shape[2] == SEQ // g
+        for layer in mgr.sparse_layers:
+            assert mgr.index_k_cache(layer).shape[1] == SEQ // g
 
 
 def test_decode_runs_on_its_own_copy_with_the_first_copys_clamp(engines):
@@ -88,8 +109,8 @@ def test_prefill_and_decode_equal_the_golden(engines):
     assert [(g.tokens, g.finish_reason) for g in got] == [(w.tokens, w.finish_reason) for w in want]
     diff = _err([g.step_logits for g in got], [w.step_logits for w in want])
     ref_err = _err([r.step_logits for r in ref32], [w.step_logits for w in want])
-    print(f"\ndecode experts tp, TP {_tp()}: {STEPS} decode steps, max |port - golden64| {diff:.2e} "
-          f"(float32 reference: {ref_err:.2e})")
+    print(f"\ndecode experts tp, {port.app.config.kv_layout} caches, TP {_tp()}: {STEPS} decode steps, "
+          f"max |port - golden64| {diff:.2e} (float32 reference: {ref_err:.2e})")
     assert diff <= _bound(ref_err)
 
 
@@ -119,10 +140,12 @@ def test_decode_reads_the_copy_not_the_prefill_experts(engines):
     assert (before[1] - decode_copy[1]).abs().max() > 1e-3
 
 
-def test_fused_eagle3_on_the_copy_decodes_as_plain(tmp_path):
-    """Fused EAGLE3 speculation (the draft in the graph, k = 3) with the decode copy: the fused step's target reads
-    ``mlp_op_tkg``, and its greedy tokens equal plain on-device decoding of the same checkpoint without the copy
-    (the fused suite's oracle, ``test_fused_speculation.py``). The issue's fused ITL projection assumes this build."""
+@pytest.mark.parametrize("kv_layout", ["sharded", "replicated"])
+def test_fused_eagle3_on_the_copy_decodes_as_plain(tmp_path, kv_layout):
+    """Fused EAGLE3 speculation (the draft in the graph, k = 3) with the decode copy, on either cache layout: the
+    fused step's target reads ``mlp_op_tkg``, and its greedy tokens equal plain on-device decoding of the same
+    checkpoint without the copy, on the default (sharded) caches (the fused suite's oracle,
+    ``test_fused_speculation.py``). The issue's fused ITL projections assume these builds."""
     from minimax_m3.load import load_engine
 
     from test.support.neuron.cpu_plugin import neuron_cpu_engine_kwargs, tiny_target_and_draft
@@ -131,7 +154,8 @@ def test_fused_eagle3_on_the_copy_decodes_as_plain(tmp_path):
     kw = neuron_cpu_engine_kwargs(batch_size=SLOTS, max_seq_len=192, max_context_length=CONTEXT,
                                   prefill_chunk=CONTEXT, on_device_sampling=True)
     fused = load_engine(str(ck), backend="neuron-cpu", draft=str(draft), num_speculative_tokens=3,
-                        fused_speculation=True, decode_experts="tp", **kw)
+                        fused_speculation=True, decode_experts="tp", kv_layout=kv_layout, **kw)
+    assert fused.app.config.kv_layout == kv_layout
     plain = load_engine(str(ck), backend="neuron-cpu", **kw)
     target = fused.app.fused_spec_model.model.target_model
     experts = target.layers[1].moe.expert_mlps

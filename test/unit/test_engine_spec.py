@@ -94,7 +94,8 @@ def test_artifact_dir_is_named_by_every_field_that_changes_the_neffs():
                    all_logits=True, on_device_sampling=True, weights="fp8", prefill_chunk=4096,
                    draft="/drafts/eagle3", num_speculative_tokens=3,  # a draft: the speculation graph, its states
                    fused_speculation=True,  # the draft inside the graph
-                   decode_experts="tp")  # a decode copy of the routed experts
+                   decode_experts="tp",  # a decode copy of the routed experts
+                   kv_layout="replicated")  # NxDI's GQA copies of the caches
     assert set(changed) == set(ARTIFACT_FIELDS)
     dirs = {_dir(**{"max_seq_len": 8192, "max_batch": 8, **{k: v}}) for k, v in changed.items()}
     assert base not in dirs and len(dirs) == len(changed)
@@ -136,6 +137,24 @@ def test_keyword_form_and_bad_option_values():
         spec_from_kwargs("m", batchsize=3)
     with pytest.raises(SystemExit):  # argparse's own usage error for a malformed list
         build_parser().parse_args(["generate", "--model", "m", "--prompt-ids", "1", "--token-buckets", "1,x"])
+
+
+def test_kv_layout_is_a_neuron_option_with_its_own_group_rule(monkeypatch):
+    """``--kv-layout``: sharded (the default) or replicated, on the neuron backends; the replicated caches have no
+    KV group, so a prefill chunk need only be a multiple of the index block (the tiny model at TP 4 with one KV head:
+    block 16, G 4, both 16) and the default chunk is the context in whole blocks."""
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())  # NxDI importable: its rules only
+    one_kv = TINY.replace(num_kv_heads=1, index_heads=1)
+    ok = EngineSpec("m", backend="neuron-cpu", tp=4, kv_layout="replicated", max_seq_len=160, max_context_len=70)
+    assert ok.problems(one_kv) == [] and ok.resolve(one_kv).prefill_chunk == 80
+    bad = EngineSpec("m", backend="neuron-cpu", kv_layout="paged").problems(one_kv)
+    assert [p for p in bad if p.startswith("unknown kv_layout 'paged': choose sharded")] and \
+        all("--kv-layout" in p for p in bad if "kv_layout" in p)
+    (ref,) = [p for p in EngineSpec("m", device="cpu", kv_layout="replicated").problems(TINY) if "kv_layout" in p]
+    assert ref.startswith("kv_layout replicated applies to the neuron backends") and "drop --kv-layout" in ref
+    args = build_parser().parse_args(["compile", "--model", "m", "--kv-layout", "replicated"])
+    assert spec_from_args(args).kv_layout == "replicated"
+    assert spec_from_args(build_parser().parse_args(["compile", "--model", "m"])).kv_layout == "sharded"
 
 
 def test_on_device_sampling_is_a_neuron_option():

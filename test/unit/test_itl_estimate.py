@@ -29,13 +29,14 @@ def weight_bytes_read(weights: str, tokens: int) -> int:
             + 57 * 3 * H * 48 * 2 + 57 * (128 * H + 128) * 4 + experts + (VOCAB_RANK + tokens) * H * 2)
 
 
-def step_bytes(weights: str, batch: int, seq: int, tokens: int = 1) -> int:
+def step_bytes(weights: str, batch: int, seq: int, tokens: int = 1, group: int = G) -> int:
     """A step of ``batch`` rows x ``tokens`` tokens over ``seq``-token caches; K/V one head x 128 x (K, V) x bf16 =
-    512 B per key, each rank 1/16 of every key: sparse layers each query's 2,048 selected keys; the index keys (128 x
-    bf16) and the dense layers' K/V once per row."""
+    512 B per key, each rank 1/``group`` of every key (the sharded layout: 1/16; replicated: ``group`` 1, the head's
+    keys whole on every rank): sparse layers each query's 2,048 selected keys; the index keys (128 x bf16) and the
+    dense layers' K/V once per row."""
     kv = 512
-    return (weight_bytes_read(weights, batch * tokens) + batch * tokens * (TOPK_KEYS // G) * kv * SPARSE
-            + batch * (seq // G) * D * 2 * SPARSE + batch * (seq // G) * kv * DENSE)
+    return (weight_bytes_read(weights, batch * tokens) + batch * tokens * (TOPK_KEYS // group) * kv * SPARSE
+            + batch * (seq // group) * D * 2 * SPARSE + batch * (seq // group) * kv * DENSE)
 
 
 def step_collectives(t: int, logits: bool = True) -> list[tuple[str, int, int, int]]:
@@ -49,6 +50,13 @@ def step_collectives(t: int, logits: bool = True) -> list[tuple[str, int, int, i
     return rows + ([("all-gather", 64, t * VOCAB_RANK * 64 * 2, 1)] if logits else [])
 
 
+def replicated_collectives(t: int, logits: bool = True) -> list[tuple[str, int, int, int]]:
+    """The replicated layout's pass (NxDI's GQA copies: no KV group): the embedding all-gather, the attention and
+    MLP all-reduces of every layer and the logits all-gather; 2 per layer + 2."""
+    rows = [("all-gather", 64, t * H * 2, 1), ("all-reduce", 64, t * H * 2, L), ("all-reduce", 64, t * H * 2, L)]
+    return rows + ([("all-gather", 64, t * VOCAB_RANK * 64 * 2, 1)] if logits else [])
+
+
 def collective_seconds(rows, latency: float) -> float:
     ring = {"all-gather": 1, "all-to-all": 1, "all-reduce": 2}
     return sum(n * max(latency, b * ring[kind] * (r - 1) / r / LINK) for kind, r, b, n in rows)
@@ -58,7 +66,8 @@ def hand_plain_ms(weights: str, batch: int, seq: int, latency: float = 25e-6) ->
     return (step_bytes(weights, batch, seq) / HBM + collective_seconds(step_collectives(batch), latency)) * 1e3
 
 
-def hand_fused_ms(weights: str, batch: int, seq: int, latency: float = 25e-6, k: int = 3) -> float:
+def hand_fused_ms(weights: str, batch: int, seq: int, latency: float = 25e-6, k: int = 3,
+                  replicated: bool = False) -> float:
     """The verify of ``batch x (k + 1)`` tokens (on-device sampling: no logits all-gather; the sampler's 6
     all-gathers) and the assumed draft (hidden 6144, 64 MHA heads: one of each per rank, MLP 16384, the full
     3,126-row head and bias per rank): k steps reading every tensor but fc, fc once, the catch-up's fc, k, v and 2
@@ -70,8 +79,9 @@ def hand_fused_ms(weights: str, batch: int, seq: int, latency: float = 25e-6, k:
              + k * batch * 2 * D * seq * 2 + batch * 3 * H * 2)
     n_fixed = 6 + k * 5 + 3
     t = batch * (k + 1)
-    coll = collective_seconds(step_collectives(t, logits=False), latency) + n_fixed * latency
-    return ((step_bytes(weights, batch, seq, k + 1) + draft) / HBM + coll) * 1e3
+    rows = replicated_collectives(t, logits=False) if replicated else step_collectives(t, logits=False)
+    coll = collective_seconds(rows, latency) + n_fixed * latency
+    return ((step_bytes(weights, batch, seq, k + 1, 1 if replicated else G) + draft) / HBM + coll) * 1e3
 
 
 def itl_lines(capsys, *args: str) -> tuple[str, str]:
@@ -184,3 +194,37 @@ def test_decode_experts_tp_by_hand(capsys, weights, batch, seq):
     assert any(s.strip().startswith("decode expert copy") for s in out)
     if weights == "fp8":
         assert f"{ms:.2f}" == {(1, 4096): "7.59", (32, 4096): "16.82", (1, 1 << 20): "9.04"}[(batch, seq)]
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 4096), (32, 4096)])
+def test_replicated_layout_with_the_decode_copy_by_hand(capsys, batch, seq):
+    """``--kv-layout replicated --decode-experts tp`` (fp8): every rank reads its KV head's selected blocks and index
+    keys whole (16x the sharded layout's cache bytes) and runs 2 collectives per layer instead of 4: 122 a step, 145
+    a fused one. At batch 1 / 4K: 4.75 ms per step and 2.68 ms per token fused (issue 34's targets 8 and 3.5 ms); at
+    batch 32 the cache reads outweigh the saved collectives (19.02 ms against the sharded layout's 16.82). The
+    sharded plan prints the same figures on its ``with --kv-layout replicated`` line."""
+    used = min(128, 4 * batch)
+    copy = experts_read("fp8", used, 64) - experts_read("fp8", 2, 1)
+    itl = decode_itl(M3, 64, 1, batch, seq, "fp8", layout="replicated")
+    assert itl.bytes == step_bytes("fp8", batch, seq, group=1) + copy and itl.collectives == 122
+    ms = (itl.bytes / HBM + collective_seconds(replicated_collectives(batch), 25e-6)) * 1e3
+    assert itl.total_s * 1e3 == pytest.approx(ms, rel=1e-9)
+    fused = fused_itl(M3, 64, 1, batch, seq, 3, "fp8", layout="replicated")
+    assert fused.collectives == 121 + 6 + 18
+    # the verify's k + 1 = 4 rows per sequence read the slices of min(128, 16 x batch) experts
+    verify_copy = experts_read("fp8", min(128, 16 * batch), 64) - experts_read("fp8", 2, 1)
+    hand_fused = hand_fused_ms("fp8", batch, seq, replicated=True) + (verify_copy / HBM) * 1e3
+    assert fused.total_s * 1e3 == pytest.approx(hand_fused, rel=1e-9)
+    if batch == 1:
+        assert (f"{ms:.2f}", f"{hand_fused / 2.5:.2f}") == ("4.75", "2.68")
+    args = ["--tp", "64", "--ep", "64", "--weights", "fp8", "--decode-experts", "tp", "--batch", str(batch), "--seq",
+            str(seq)]
+    assert main(args) == 0
+    (line,) = [s for s in capsys.readouterr().out.splitlines() if s.startswith("with --kv-layout replicated")]
+    assert f": {ms:.2f} ms per step (122 collectives), fused EAGLE3 {hand_fused / 2.5:.2f} ms per token" in line
+    assert main(args + ["--layout", "replicated"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (est,) = [s for s in out if s.startswith("decode ITL estimate at")]
+    (other,) = [s for s in out if s.startswith("with --kv-layout sharded")]
+    sharded = decode_itl(M3, 64, 1, batch, seq, "fp8", layout="sharded").total_s * 1e3
+    assert f"{ms:.2f} ms per step" in est and f": {sharded:.2f} ms per step (242 collectives)" in other

@@ -286,6 +286,23 @@ def test_require_fit_names_the_largest_under_each_decode_experts_choice():
         plan(M3, 64, 64, 1, 8192, layout="paged", decode_experts="tp")
 
 
+def test_require_fit_names_the_largest_under_the_other_kv_layout():
+    """``--kv-layout replicated`` at 128K (fp8, the decode copy) does not fit; the refusal names the replicated
+    layout's largest context and that the sharded one fits; a sharded 1M at batch 8 names the replicated one's."""
+    kw = dict(weights="fp8", decode_experts="tp")
+    with pytest.raises(FitError) as e:
+        require_fit(M3, 64, 64, 1, 131072, layout="replicated", **kw)
+    ctx = largest_context(M3, 64, 64, 1, layout="replicated", **kw)
+    assert e.value.largest_context == ctx and 4096 < ctx < 131072
+    assert "with --kv-layout sharded: it fits" in str(e.value)
+    with pytest.raises(FitError) as e:
+        require_fit(M3, 64, 64, 8, 1 << 20, layout="sharded", **kw)
+    ctx = largest_context(M3, 64, 64, 8, layout="replicated", **kw)
+    bat = largest_batch(M3, 64, 64, 1 << 20, layout="replicated", **kw)
+    assert bat == 0 and f"with --kv-layout replicated: largest context at batch 8 {ctx} tokens, largest batch at " \
+                        "1048576 tokens 0" in str(e.value)
+
+
 def test_cli_prints_both_layouts(capsys):
     assert main(["--batch", "1", "--seq", "1048576", "--weights", "fp8"]) == 0
     out = capsys.readouterr().out

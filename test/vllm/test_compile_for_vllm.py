@@ -212,6 +212,7 @@ def test_decode_experts_tp_build_carries_the_hybrid_sharding_to_the_serve_line(m
     (["--structured-outputs"], "--structured-outputs applies to --for-vllm builds"),
     (["--for-vllm", "--structured-outputs", "--draft", "DRAFT", "--speculative-tokens", "3", "--fused-speculation",
       "--on-device-sampling"], "--structured-outputs with --fused-speculation"),
+    (["--for-vllm", "--kv-layout", "replicated"], "--kv-layout replicated: vllm-neuron builds the model's config"),
 ])
 def test_structured_outputs_a_build_cannot_honour_is_refused_naming_the_option(model, tmp_path, args, want):  # noqa: F811
     proc = _compile(model, *args, "--compiled", str(tmp_path / "x"))

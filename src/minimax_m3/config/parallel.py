@@ -38,9 +38,18 @@ def heads_per_rank(heads: int, tp: int) -> int:
     return 0 if tp % heads else 1
 
 
-def kv_group_size(c: M3Config, tp: int) -> int:
-    """G: the ranks holding one KV head (``tp / num_kv_heads``; 1 when each rank holds whole KV heads). With the
-    sequence-sharded caches they split its K/V and index-K caches (token ``p`` on group rank ``p mod G``)."""
+# the NxDI port's KV-cache layouts (the engine spec's ``kv_layout``, ``--kv-layout``): "sharded", each KV head's
+# caches split by sequence over the G ranks that hold it (the default: 1M tokens fit); "replicated", NxDI's GQA
+# copies, each of the G ranks holding the head's caches whole (no group collectives: 2 per layer in decode, not 4)
+KV_LAYOUTS = ("sharded", "replicated")
+
+
+def kv_group_size(c: M3Config, tp: int, kv_layout: str = KV_LAYOUTS[0]) -> int:
+    """G: the ranks sharing one KV head's caches: ``tp / num_kv_heads`` with the sequence-sharded layout (they split
+    its K/V and index-K caches, token ``p`` on group rank ``p mod G``); 1 when each rank holds whole KV heads or
+    with ``kv_layout="replicated"`` (each rank holds its head's caches whole)."""
+    if kv_layout != "sharded":
+        return 1
     return tp // c.num_kv_heads if tp > c.num_kv_heads else 1
 
 
@@ -62,9 +71,9 @@ def call_unit(block_size: int, group: int = 1) -> int:
     return math.lcm(block_size, group)
 
 
-def chunk_unit(c: M3Config, tp: int) -> int:
+def chunk_unit(c: M3Config, tp: int, kv_layout: str = KV_LAYOUTS[0]) -> int:
     """:func:`call_unit` of the model at ``tp`` ranks (G = :func:`kv_group_size`)."""
-    return call_unit(c.index_block_size, kv_group_size(c, tp))
+    return call_unit(c.index_block_size, kv_group_size(c, tp, kv_layout))
 
 
 def check_call(tokens: int, block_size: int, group: int = 1) -> None:
@@ -78,19 +87,20 @@ def check_call(tokens: int, block_size: int, group: int = 1) -> None:
                           f"block, {block_size}, and the KV group size, {group}); nearest that work: {near}")
 
 
-def prefill_chunk_choices(c: M3Config, tp: int, context: int, cap: int = MAX_PREFILL_CHUNK) -> list[int]:
+def prefill_chunk_choices(c: M3Config, tp: int, context: int, cap: int = MAX_PREFILL_CHUNK,
+                          kv_layout: str = KV_LAYOUTS[0]) -> list[int]:
     """Prefill chunks for prompts of up to ``context`` tokens, largest first: the context rounded up to a multiple of
     :func:`chunk_unit` when that is at most ``cap``, then the unit times powers of two up to both (the planner keeps
     the largest whose working memory fits)."""
-    m = chunk_unit(c, tp)
+    m = chunk_unit(c, tp, kv_layout)
     whole = -(-max(context, 1) // m) * m
     pow2 = [m << j for j in range(64) if m << j <= min(cap, whole)][::-1] or [m]
     return ([whole] if whole <= cap else []) + [n for n in pow2 if n != whole]
 
 
-def default_prefill_chunk(c: M3Config, tp: int, context: int) -> int:
+def default_prefill_chunk(c: M3Config, tp: int, context: int, kv_layout: str = KV_LAYOUTS[0]) -> int:
     """The default prefill chunk (module doc): the first of :func:`prefill_chunk_choices`."""
-    return prefill_chunk_choices(c, tp, context)[0]
+    return prefill_chunk_choices(c, tp, context, kv_layout=kv_layout)[0]
 
 
 def moe_tp(tp: int, ep: int) -> int:

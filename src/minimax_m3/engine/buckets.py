@@ -76,18 +76,21 @@ def bucket_problems(context_buckets, token_buckets, max_context_len: int, max_se
 
 
 def chunk_problems(chunk: int | None, config: M3Config, tp: int, *, neuron: bool = True,
-                   max_context_len: int = 0, max_seq_len: int = 0) -> list[str]:
+                   max_context_len: int = 0, max_seq_len: int = 0, kv_layout: str = parallel.KV_LAYOUTS[0]
+                   ) -> list[str]:
     """The rules a prefill chunk follows (the spec's checks and NxDI's ``validate_config`` call this). The layout's
     (``parallel.check_call``): a multiple of the index block and, on the neuron backends, of the KV group
-    (``parallel.kv_group_size``: its ranks share the chunk's cache writes). Neuron: a prompt longer than one chunk is
-    prefilled in calls at ``0, C, 2C, ...``, the last one padded on to its bucket (at most C) and written whole, so
-    the cache must hold ``max_context_len`` rounded up to whole chunks. (Its buckets: :func:`bucket_problems`.)"""
+    (``parallel.kv_group_size`` of ``kv_layout``: its ranks share the chunk's cache writes). Neuron: a prompt longer
+    than one chunk is prefilled in calls at ``0, C, 2C, ...``, the last one padded on to its bucket (at most C) and
+    written whole, so the cache must hold ``max_context_len`` rounded up to whole chunks. (Its buckets:
+    :func:`bucket_problems`.)"""
     if chunk is None:
         return []
     if chunk < 1:
         return [f"prefill_chunk (--prefill-chunk) must be >= 1, got {chunk}"]
     try:
-        parallel.check_call(chunk, config.index_block_size, parallel.kv_group_size(config, tp) if neuron else 1)
+        group = parallel.kv_group_size(config, tp, kv_layout) if neuron else 1
+        parallel.check_call(chunk, config.index_block_size, group)
     except parallel.LayoutError as e:
         return [f"{p}: set --prefill-chunk (vLLM: prefill_chunk in override_neuron_config) to one of them"
                 for p in e.problems]

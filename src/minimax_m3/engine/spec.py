@@ -32,12 +32,13 @@ ARTIFACT_FILE = "minimax-m3-spec.json"  # in a compiled directory: the artifact 
 ARTIFACT_FIELDS = ("tp", "ep", "lnc", "dtype", "max_batch", "max_seq_len", "max_context_len", "context_buckets",
                    "token_buckets", "continuous_batching", "all_logits", "on_device_sampling", "weights",
                    "prefill_chunk", "draft", "num_speculative_tokens", "fused_speculation",
-                   "decode_experts")
+                   "decode_experts", "kv_layout")
 # artifact fields added after records were first written: a record without one was compiled with this value
 _RECORD_DEFAULTS = {"weights": "bf16", "draft": None, "num_speculative_tokens": None, "fused_speculation": False,
-                    "decode_experts": "ep"}
+                    "decode_experts": "ep", "kv_layout": "sharded"}
 WEIGHTS = ("bf16", "fp8")
 DECODE_EXPERTS = parallel.DECODE_EXPERTS
+KV_LAYOUTS = parallel.KV_LAYOUTS
 
 
 class SpecError(ConfigError):
@@ -85,6 +86,7 @@ class EngineSpec:
     num_speculative_tokens: int | None = None  # drafts per step with a draft (default 3)
     fused_speculation: bool = False  # neuron: the draft runs inside the device graph (NxDI's fused speculation)
     decode_experts: str = "ep"  # neuron: decode reads the routed experts as prefill's EP shards | a TP copy
+    kv_layout: str = "sharded"  # neuron: caches split by sequence over a KV head's ranks | NxDI's GQA copies
 
     # ---- defaults ---------------------------------------------------------------------------------------------
     def resolve(self, config: M3Config | None = None) -> "EngineSpec":
@@ -109,7 +111,8 @@ class EngineSpec:
                                        else self.max_seq_len)
         chunk = self.prefill_chunk
         if chunk is None and config is not None:  # one prompt per call up to the cap (sharding's module doc)
-            chunk = parallel.default_prefill_chunk(config, tp, ctx) if neuron else _call_tokens(config)
+            chunk = parallel.default_prefill_chunk(config, tp, ctx, self.kv_layout) if neuron else \
+                _call_tokens(config)
         kw = dict(device=device, dtype=dtype, tp=tp, ep=ep, lnc=lnc, max_batch=batch, max_context_len=ctx,
                   prefill_chunk=chunk)
         if self.draft and self.num_speculative_tokens is None:
@@ -147,6 +150,10 @@ class EngineSpec:
         if s.decode_experts not in DECODE_EXPERTS:
             out.append(f"unknown decode_experts {s.decode_experts!r}: choose ep (the prefill's expert shards) or tp "
                        "(a tensor-parallel copy read by selected expert) (--decode-experts)")
+        if s.kv_layout not in KV_LAYOUTS:
+            out.append(f"unknown kv_layout {s.kv_layout!r}: choose sharded (caches split by sequence over a KV "
+                       "head's ranks: long contexts) or replicated (NxDI's GQA copies: fewer collectives per decode "
+                       "step) (--kv-layout)")
         if s.max_context_len > s.max_seq_len:
             out.append(f"max_context_len {s.max_context_len} exceeds max_seq_len {s.max_seq_len}: a prompt must fit "
                        "the cache (lower --max-context-len or raise --max-seq-len)")
@@ -159,7 +166,7 @@ class EngineSpec:
         if config is not None and min(s.tp, s.ep) >= 1:
             out += s._layout_problems(config)
             out += chunk_problems(s.prefill_chunk, config, s.tp, neuron=neuron, max_context_len=s.max_context_len,
-                                  max_seq_len=s.max_seq_len)
+                                  max_seq_len=s.max_seq_len, kv_layout=s.kv_layout)
         elif s.prefill_chunk is not None and s.prefill_chunk < 1:
             out.append(f"prefill_chunk (--prefill-chunk) must be >= 1, got {s.prefill_chunk}")
         return out + s._draft_problems()
@@ -219,6 +226,9 @@ class EngineSpec:
         if self.decode_experts != "ep":
             out.append("decode_experts tp applies to the neuron backends (the reference's experts are one copy); "
                        "drop --decode-experts")
+        if self.kv_layout != KV_LAYOUTS[0]:
+            out.append(f"kv_layout {self.kv_layout} applies to the neuron backends (the reference keeps whole "
+                       "caches per rank); drop --kv-layout")
         world = _world_size()
         if self.tp not in (None, world):
             out.append(f"reference tp {self.tp} must equal the number of processes (WORLD_SIZE {world}): run "
@@ -388,6 +398,11 @@ def add_engine_options(p: argparse.ArgumentParser, *, backend: str | None = "ref
                         "shards, every local expert each step; tp: a second copy sharded over all --tp ranks, a step "
                         "reading only its tokens' experts' slices (more memory: `minimax-m3 plan --decode-experts "
                         "tp` says whether it fits)")
+    g.add_argument("--kv-layout", default=None, choices=KV_LAYOUTS,
+                   help="neuron: the KV caches' layout. sharded (default): each KV head's caches split by sequence "
+                        "over its 16 ranks (1M tokens fit; 4 collectives per layer in decode); replicated: NxDI's "
+                        "GQA copies, each rank holding its head's caches whole (2 collectives per layer, the "
+                        "fastest decode at batch 1 where it fits: `minimax-m3 plan --layout replicated`)")
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="tokens per prefill call: a longer prompt is prefilled in calls of N tokens, each attending to "
                         "the cache the earlier ones wrote; a multiple of the index block (neuron: of lcm(block, KV "

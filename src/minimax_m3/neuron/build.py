@@ -71,7 +71,7 @@ def inference_config(spec: EngineSpec, config: M3Config, **extra) -> MiniMaxM3In
     dc = draft_config(spec.draft, config) if spec.draft else None
     aux = dc.aux_layers(config.num_layers) if dc else ()
     out = MiniMaxM3InferenceConfig(neuron_config(spec, **extra), load_config=config_hook(config, spec.model),
-                                   aux_hidden_layers=aux)
+                                   aux_hidden_layers=aux, kv_layout=spec.kv_layout)
     if spec.fused_speculation:
         out.fused_spec_config = fused_spec_config(dc, config, out, spec.model, spec.draft, NeuronMiniMaxM3Model)
     return out

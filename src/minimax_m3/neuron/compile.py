@@ -75,8 +75,8 @@ def check_backend(args) -> None:
 
 def check_fit(args) -> None:
     """A trn2 build (``--backend neuron``, not a dry run) whose batch x length does not fit HBM is refused before
-    anything compiles: the planner's :func:`~minimax_m3.planner.require_fit` (the port's sequence-sharded caches and
-    prefill chunk) names the bytes and the largest context and batch that fit."""
+    anything compiles: the planner's :func:`~minimax_m3.planner.require_fit` (the build's cache layout and prefill
+    chunk) names the bytes and the largest context and batch that fit, under each layout and decode-experts choice."""
     if args.backend != "neuron" or args.dry_run:
         return
     spec = compile_spec(args)
@@ -90,8 +90,8 @@ def check_fit(args) -> None:
     from ..planner import FitError, require_fit
 
     try:
-        require_fit(config, s.tp, s.ep, s.max_batch, s.max_seq_len, weights=s.weights, layout="sharded",
-                    chunk=s.prefill_chunk, decode_experts=s.decode_experts)
+        require_fit(config, s.tp, s.ep, s.max_batch, s.max_seq_len, weights=s.weights, layout=s.kv_layout,
+                    chunk=s.prefill_chunk if s.kv_layout == "sharded" else None, decode_experts=s.decode_experts)
     except FitError:
         raise
     except M3Error:  # a layout or chunk the planner cannot size: the spec's own checks name it, with the rest

@@ -151,16 +151,15 @@ def load_m3_config(path: str | Path):
     return config_hook(M3Config.from_pretrained(path), path)
 
 
-KV_LAYOUTS = ("sharded", "replicated")
+KV_LAYOUTS = parallel.KV_LAYOUTS
 
 
 def kv_group_size(cfg) -> int:
     """G, the ranks sharing one KV head's caches: ``parallel.kv_group_size`` with the sharded layout (the default),
     else 1. The one home of this rule for a neuron config: the config sets ``num_cores_per_group`` from it (NxD builds
     the KV process group from that), the attention and the cache manager read it."""
-    if getattr(cfg, "kv_layout", KV_LAYOUTS[0]) != "sharded":
-        return 1
-    return parallel.kv_group_size(M3Config.from_fields(cfg.m3), cfg.neuron_config.tp_degree)
+    return parallel.kv_group_size(M3Config.from_fields(cfg.m3), cfg.neuron_config.tp_degree,
+                                  getattr(cfg, "kv_layout", KV_LAYOUTS[0]))
 
 
 def kv_layout_problems(cfg) -> list[str]:
@@ -255,7 +254,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         ``self.prefill_chunk`` mirrors it (saved with the config)."""
         nc = self.neuron_config
         if nc.prefill_chunk is None:
-            nc.prefill_chunk = parallel.default_prefill_chunk(c, nc.tp_degree, nc.max_context_length)
+            nc.prefill_chunk = parallel.default_prefill_chunk(c, nc.tp_degree, nc.max_context_length, self.kv_layout)
         if nc.enable_bucketing and not nc.context_encoding_buckets and 0 < nc.prefill_chunk < nc.max_context_length:
             nc.context_encoding_buckets = context_buckets(nc.prefill_chunk)
         self.prefill_chunk = nc.prefill_chunk
@@ -298,7 +297,7 @@ class MiniMaxM3InferenceConfig(InferenceConfig):
         cte = nc.context_encoding_buckets if nc.enable_bucketing else [nc.max_context_length]
         problems += bucket_problems(cte, tkg, nc.max_context_length, nc.seq_len, c, nc.prefill_chunk)
         problems += chunk_problems(nc.prefill_chunk, c, tp, max_context_len=nc.max_context_length,
-                                   max_seq_len=nc.seq_len)
+                                   max_seq_len=nc.seq_len, kv_layout=self.kv_layout)
         if nc.moe_tp_degree * nc.moe_ep_degree != tp:
             problems.append(f"moe_tp_degree {nc.moe_tp_degree} x moe_ep_degree {nc.moe_ep_degree} must equal "
                             f"tp_degree {tp} (vLLM's --tensor-parallel-size)")

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from ..config import parallel
+from ..config.parallel import KV_LAYOUTS
 from ..config.draft import DraftConfig, parse_draft_config
 from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, HBM_BYTES_PER_S, PEAK_FLOPS_PER_S, Itl, collectives, decode_floor_ms, \
@@ -70,7 +71,7 @@ def format_itl(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY
                        p.layout, latency_s)
     at = f"at batch {p.batch}, {p.seq} tokens"
     line = f"decode ITL estimate {at}: {plain.total_s * 1e3:.2f} ms per step = {_itl(plain, latency_s)}"
-    if p.layout == PAGED:
+    if p.layout not in KV_LAYOUTS:
         return [line, "decode ITL estimate, fused EAGLE3 step: not covered for the paged layout (vLLM Neuron drafts "
                       "in a separate EagleProposer call and this model samples on the host; planner/speculative.py "
                       "models NxDI's fused step)"]
@@ -81,7 +82,25 @@ def format_itl(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY
              f"{_itl(fused, latency_s)}"]
     if p.ep > 1:
         lines.append(format_decode_experts(c, p, latency_s))
+    lines.append(format_kv_layout(c, p, latency_s, k, draft))
     return lines
+
+
+def format_kv_layout(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY_S, k: int = ITL_K,
+                     draft: DraftConfig = M3_DRAFT) -> str:
+    """The port's other cache layout (``--kv-layout``) beside a plan of one: its plain and fused decode ITL and its
+    memory at the same batch, context and experts. The replicated layout runs 2 collectives per layer in decode
+    where the sharded one runs 4, and reads each KV head's selected blocks on all G ranks where the sharded one
+    reads 1/G on each: the faster one depends on batch x context (and only the sharded one fits long contexts)."""
+    other = KV_LAYOUTS[1 - KV_LAYOUTS.index(p.layout)]
+    q = plan(c, p.tp, p.ep, p.batch, p.seq, p.weights, p.kv_dtype, layout=other, decode_experts=p.decode_experts,
+             reserve_gib=p.reserve_bytes / GIB, hbm_gib=p.hbm_bytes / GIB)  # one request per prefill call
+    itl = decode_itl(c, q.tp, q.decode_ep, q.batch, cache_tokens(c, q.tp, q.seq, other), q.weights, q.kv_dtype,
+                     other, latency_s)
+    fused = fused_itl(c, q.tp, q.decode_ep, q.batch, q.seq, k, q.weights, q.kv_dtype, draft, other, latency_s)
+    return (f"with --kv-layout {other}: {itl.total_s * 1e3:.2f} ms per step ({itl.collectives} collectives), fused "
+            f"EAGLE3 {fused.total_s / ITL_ACCEPTANCE * 1e3:.2f} ms per token; {q.total_bytes / GIB:.2f} GiB, "
+            f"{'fits' if q.fits else 'does not fit'}")
 
 
 def format_decode_experts(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY_S) -> str:

@@ -74,7 +74,7 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     ``kv_dtype="bf16"``, the caches (fp32 routers and fp8 experts keep their size). The one home of the verify
     step's minimum: the graph report's and the speculative projection's (:func:`.speculative.target_step`)."""
     w = sum(weights_read(c, tp, ep, batch * tokens, weights, dtype_bytes).values())
-    g = parallel.kv_group_size(c, tp) if layout == "sharded" else 1
+    g = parallel.kv_group_size(c, tp, layout)
     kvb = dtype_bytes if kv_dtype == "bf16" else 1
     per_token_kv = _heads(c, c.num_kv_heads, tp) * c.head_dim * 2 * kvb
     n_sparse = sum(c.sparse_layers)
@@ -204,7 +204,7 @@ def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int,
     * activations: 4 ``[chunk, hidden]`` bf16 copies per layer (residual, normed input, attention output, MLP
       output), and per MoE layer the blockwise rows the rank's experts get (:func:`_moe_rows_read`), tokens in,
       gate/up, out. G' = 1 replicated, G sharded."""
-    g = parallel.kv_group_size(c, tp) if layout == "sharded" else 1
+    g = parallel.kv_group_size(c, tp, layout)
     kvb = BF16 if kv_dtype == "bf16" else 1
     kv, bs, n_sparse = _heads(c, c.num_kv_heads, tp), c.index_block_size, sum(c.sparse_layers)
     e = min(start + chunk, seq)

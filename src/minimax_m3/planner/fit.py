@@ -4,6 +4,7 @@ calls before any compile: one :class:`FitError` naming the largest context and b
 from __future__ import annotations
 
 from ..config.m3 import M3Config
+from ..config.parallel import KV_LAYOUTS
 from .memory import GIB, PORT_LAYOUT, MemoryPlan, PlanError, cache_multiple, plan
 
 CONTEXT_LIMIT = 1 << 26  # the context search stops here (64M tokens, 64x M3's positions)
@@ -76,5 +77,12 @@ def require_fit(c: M3Config, tp: int, ep: int, batch: int, seq: int, **kw) -> Me
         ctx2, bat2 = largest_context(c, tp, ep, batch, **alt), largest_batch(c, tp, ep, seq, **alt)
         fits2 = plan(c, tp, ep, batch, seq, **alt).fits
         problems.append(f"with --decode-experts {other}: " + ("it fits" if fits2 else
+                        f"largest context at batch {batch} {ctx2} tokens, largest batch at {seq} tokens {bat2}"))
+    if p.layout in KV_LAYOUTS:  # the port's other cache layout (the engine spec's kv_layout)
+        other = KV_LAYOUTS[1 - KV_LAYOUTS.index(p.layout)]
+        alt = {**kw, "layout": other, "chunk": None}
+        ctx2, bat2 = largest_context(c, tp, ep, batch, **alt), largest_batch(c, tp, ep, seq, **alt)
+        fits2 = plan(c, tp, ep, batch, seq, **alt).fits
+        problems.append(f"with --kv-layout {other}: " + ("it fits" if fits2 else
                         f"largest context at batch {batch} {ctx2} tokens, largest batch at {seq} tokens {bat2}"))
     raise FitError(problems, ctx, bat)

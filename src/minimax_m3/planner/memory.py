@@ -218,7 +218,7 @@ def cache_bytes(c: M3Config, tp: int, batch: int, seq: int, layout: str = PORT_L
                 ) -> tuple[int, int]:
     """Per-rank (KV, index-K) cache bytes for ``batch`` sequences of ``seq`` tokens (rounded up to the bucket)."""
     s = cache_tokens(c, tp, seq, layout)
-    per_rank = s // parallel.kv_group_size(c, tp) if layout == "sharded" else s
+    per_rank = s // parallel.kv_group_size(c, tp, layout)
     kvb = BF16 if kv_dtype == "bf16" else 1
     kv = _heads(c, c.num_kv_heads, tp)
     return (batch * per_rank * c.num_layers * 2 * kv * c.head_dim * kvb,

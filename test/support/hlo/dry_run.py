@@ -1,11 +1,9 @@
-"""``python -m test.support.hlo.dry_run [--kv-layout L] [--probe-chunks K,..] ARGS``: ``compile --dry-run ARGS`` (the
+"""``python -m test.support.hlo.dry_run [--probe-chunks K,..] ARGS``: ``compile --dry-run ARGS`` (the
 CLI) with the trace stand-ins (needs ``NXDI_SRC``/``NXD_SRC``). A separate process per trace: NxD's mock distributed
 state and the stand-ins stay out of the test process.
 
-The harness's own options (taken out before the CLI sees ``ARGS``; they are in the trace cache's key like the rest):
+The harness's own option (taken out before the CLI sees ``ARGS``; it is in the trace cache's key like the rest):
 
-* ``--kv-layout sharded|replicated``: the NxDI config's ``kv_layout`` (the port's default is ``sharded``; the engine
-  spec has no option for it, so the harness sets it through the config hook the build hands NxDI);
 * ``--probe-chunks K,..``: each context-encoding bucket of C tokens is lowered again as the call of chunk ``k`` of a
   longer prompt (every position moved by ``k x C``) and compared with the first chunk's module (``trace_checks``:
   ``same_graph_at_chunks``), the proof that one graph serves every chunk (the start comes from ``position_ids``).
@@ -27,25 +25,6 @@ def _take(argv: list[str], flag: str) -> tuple[list[str], str | None]:
         return argv, None
     i = argv.index(flag)
     return argv[:i] + argv[i + 2:], argv[i + 1]
-
-
-def set_kv_layout(layout: str) -> None:
-    """Every NxDI config the build makes gets ``kv_layout = layout`` (set by the load-config hook, before NxDI's
-    ``add_derived_config`` reads it)."""
-    from minimax_m3.neuron import build
-
-    hook_of = build.config_hook
-
-    def config_hook(config, path):
-        hook = hook_of(config, path)
-
-        def with_layout(cfg):
-            hook(cfg)
-            cfg.kv_layout = layout
-
-        return with_layout
-
-    build.config_hook = config_hook
 
 
 def without_sampling_kernels() -> None:
@@ -73,12 +52,9 @@ def without_sampling_kernels() -> None:
 
 
 if __name__ == "__main__":
-    args, layout = _take(sys.argv[1:], "--kv-layout")
-    args, chunks = _take(args, "--probe-chunks")
+    args, chunks = _take(sys.argv[1:], "--probe-chunks")
     standins_trace.install()
     without_sampling_kernels()
-    if layout:
-        set_kv_layout(layout)
     if chunks:
         standins_trace.PROBE_CHUNKS = tuple(int(k) for k in chunks.split(","))
     from minimax_m3.cli import main

@@ -42,6 +42,11 @@ def serving_problems(spec: EngineSpec) -> list[str]:
     if spec.max_context_len != spec.max_seq_len:
         out.append(f"--max-context-len {spec.max_context_len}: vllm-neuron sets the longest prompt to --max-model-len "
                    f"(--max-seq-len {spec.max_seq_len}); drop --max-context-len")
+    if spec.kv_layout != "sharded":
+        out.append(f"--kv-layout {spec.kv_layout}: vllm-neuron builds the model's config itself and "
+                   "override_neuron_config carries neuron-config fields only, so it serves the default sharded "
+                   "caches; drop --kv-layout (the replicated layout is served by `minimax-m3 generate`/`compile` "
+                   "with --backend neuron)")
     if spec.draft and not spec.fused_speculation:
         out.append("--draft without --fused-speculation: vllm-neuron serves a draft only through NxDI's fused "
                    "speculation (docs/speculative.md); add --fused-speculation --on-device-sampling")
