@@ -223,3 +223,33 @@ def test_fp8_experts_equal_the_reference_on_the_same_fp8_values(m3, tmp_path):
     with pytest.raises(AssertionError, match="quantization 'mxfp4'"):
         drive(tmp_path / "bad", path, dict(ENGINE, additional_config={"neuron_config": {"quantization": "mxfp4"}}),
               reqs[:1], env={"M3_VNEURON_MODELS": MODELS})
+
+
+def test_on_device_sampling_draws_in_the_model(m3, tmp_path):
+    """``neuron_config.on_device_sampling_config`` (the plugin's default; ``{}``: its defaults, 256 candidates): the
+    forward gets the runner's ``sampling_params`` and returns ``(ids, logits)``, and the runner takes the ids (no host
+    sampler). Greedy requests — temperature 0, and top_k 1 at temperature 1 — give the reference's greedy tokens
+    with prefix caching and segments on, batched; a temperature-1, top_k 3 request draws every token among the
+    reference's 3 most likely at its position (the reference's logits along the drawn sequence) and not all of them
+    greedy (the draw happened). A field the model cannot honour is refused at start-up naming it."""
+    path, ref = m3
+    long = _ids(90, 61)
+    reqs = [{"id": "greedy", "prompt": long, "max_tokens": 8, "arrive": 0},
+            {"id": "top1", "prompt": long[:64] + _ids(9, 62), "max_tokens": 6, "arrive": 6,
+             "sampling": {"temperature": 1.0, "top_k": 1}},
+            {"id": "drawn", "prompt": _ids(35, 63), "max_tokens": 16, "arrive": 6,
+             "sampling": {"temperature": 1.0, "top_k": 3}}]
+    engine = dict(ENGINE, additional_config={"neuron_config": {"on_device_sampling_config": {}}})
+    (tmp_path / "ods").mkdir()
+    out, _ = drive(tmp_path / "ods", path, engine, reqs, env={"M3_VNEURON_MODELS": MODELS})
+    for r in reqs[:2]:
+        assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
+    prompt, drawn = reqs[2]["prompt"], out["tokens"]["drawn"]
+    logits = ref.prefill_logits([prompt + drawn])[0][len(prompt) - 1:-1]
+    top3 = logits.topk(3, dim=-1).indices.tolist()
+    assert len(drawn) == 16 and all(tok in top for tok, top in zip(drawn, top3)), (drawn, top3)
+    assert [top[0] for top in top3] != drawn  # some token was not the most likely one
+    (tmp_path / "bad").mkdir()
+    bad = {"neuron_config": {"on_device_sampling_config": {"sampling_dp_degree": 2}}}
+    with pytest.raises(AssertionError, match="sampling_dp_degree 2"):
+        drive(tmp_path / "bad", path, dict(ENGINE, additional_config=bad), reqs[:1], env={"M3_VNEURON_MODELS": MODELS})

@@ -67,7 +67,7 @@ def draw_sorted(values: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     x = torch.where(in_k, x, torch.full_like(x, float("-inf")))
     p = torch.softmax(x, dim=-1)
     before = torch.cumsum(p, dim=-1) - p
-    keep = in_k & (before < top_p.float()[:, None])
+    keep = in_k & ((before < top_p.float()[:, None]) | (rank == 0))  # the top candidate always (any top_p)
     w = torch.where(keep, p, torch.zeros_like(p))
     cdf = torch.cumsum(w, dim=-1)
     target = u.float()[:, None] * cdf[:, -1:]

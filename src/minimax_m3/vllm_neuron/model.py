@@ -9,7 +9,9 @@ is the pattern; ``docs/notes/vllm_neuron_runner.md`` cites the runner):
   weights from any published format (bf16, MXFP8, NVFP4) through ``checkpoint/``, as the reference does;
 * ``forward(input_ids [T], positions [T], ..., attn_metadata, sampling_positions, ...)``: ``T`` flat tokens, ``B`` rows
   of ``T / B`` tokens each (``B`` = the block table's rows: one prompt segment, or a batch of decode / verify steps),
-  returns float32 logits ``[len(sampling_positions), vocab]`` for vLLM's sampler.
+  returns float32 logits ``[len(sampling_positions), vocab]`` for vLLM's sampler, or with on-device sampling (the
+  plugin's default, ``neuron_config.on_device_sampling_config``; :mod:`.sampling`) ``(token ids int32, logits)``
+  drawn per the runner's ``sampling_params`` and ``logit_mask``.
 
 The layers are the reference model's (:class:`minimax_m3.reference.model.M3Model`: the same parameters, TP/EP
 slicing and math); only the cache differs. Parallel layout: query heads over the TP ranks, KV heads split or
@@ -30,6 +32,7 @@ from ..config.m3 import M3Config
 from ..errors import ServingError
 from ..reference.loader import load_model
 from ..reference.parallel import ShardPlan
+from . import sampling
 from .contract import QUANTIZATION, KVSpec, LayerSpec, Layout, attention_spec, check_serving, index_spec
 from .paged_cache import PagedCache
 
@@ -44,6 +47,16 @@ def _tp_group() -> tuple[int, int, object]:
         return 1, 0, None
     g = get_tp_group()
     return g.world_size, g.rank_in_group, (g.device_group if g.world_size > 1 else None)
+
+
+def _speculative() -> bool:
+    """Whether vLLM runs a draft (``--speculative-config``) where vLLM is running."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config().speculative_config is not None
+    except Exception:  # no vLLM, or no config set
+        return False
 
 
 def _dtype(hf_config, neuron_config) -> torch.dtype:
@@ -74,6 +87,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         self.m3 = None  # the reference layers, built by load_weights
         self.cache: PagedCache | None = None
         self.aux_layers: tuple[int, ...] = ()  # EAGLE3 target states (vLLM's layer ids), none until a draft asks
+        self.ods: sampling.OnDeviceSampling | None = None  # on-device sampling (the plugin's default), None: host
 
     @classmethod
     def from_configs(cls, hf_config, neuron_config) -> MiniMaxM3ForCausalLM:
@@ -82,11 +96,13 @@ class MiniMaxM3ForCausalLM(nn.Module):
         world, rank, group = _tp_group()
         ep = getattr(neuron_config, "ep_degree", None) or 1
         check_serving(c, hf_config, Layout(world=world, rank=rank, ep=ep, group=group,
-                                           dtype=_dtype(hf_config, neuron_config)), neuron_config)
+                                           dtype=_dtype(hf_config, neuron_config)), neuron_config, _speculative())
         layout = Layout(world=world, rank=rank, ep=ep, dtype=_dtype(hf_config, neuron_config),
                         tile=getattr(neuron_config, "attention_tile", None) or 256, group=group,
                         experts=QUANTIZATION[getattr(neuron_config, "quantization", None)])
-        return cls(c, layout)
+        model = cls(c, layout)
+        model.ods = sampling.config(getattr(neuron_config, "on_device_sampling_config", None))
+        return model
 
     # ---- caches -------------------------------------------------------------------------------------------------
     def get_kv_spec(self) -> KVSpec:
@@ -162,7 +178,11 @@ class MiniMaxM3ForCausalLM(nn.Module):
         if sampling_positions is not None:
             x = x.index_select(0, sampling_positions.reshape(-1).long())
         logits = self.m3.logits(x)
-        return (logits, torch.cat(kept, dim=-1).reshape(t, -1)) if self.aux_layers else logits
+        states = (torch.cat(kept, dim=-1).reshape(t, -1),) if self.aux_layers else ()
+        if self.ods is None:  # host sampling: vLLM's sampler reads the logits
+            return (logits, *states) if states else logits
+        tokens = sampling.sample(logits, sampling_params, self.ods, logit_mask)
+        return (tokens, *states, logits)
 
 
 __all__ = ["MiniMaxM3ForCausalLM"]

@@ -1,9 +1,11 @@
 """``python -m test.support.vllm_neuron.drive SPEC.json OUT.json``: one ``vllm.LLM`` on the off-device harness
-(``m3_vneuron_harness``), requests added at chosen engine steps, greedy tokens and the step of each written to OUT.
+(``m3_vneuron_harness``), requests added at chosen engine steps, their tokens (greedy unless a request's
+``sampling`` says otherwise) and the step of each written to OUT.
 
 SPEC: ``{"model": DIR, "engine": {LLM kwargs}, "env": {...}, "requests": [{"id", "prompt": [ids], "max_tokens",
-"arrive": STEP}, ...]}``. The harness's per-forward trace goes to ``$M3_VNEURON_TRACE`` (SPEC ``env`` may set it).
-OUT: ``{"tokens": {id: [...]}, "token_steps": {id: [engine step of each token]}, "steps": N, "seconds": {...}}``.
+"arrive": STEP, "sampling": {SamplingParams fields, optional}}, ...]}``. The harness's per-forward trace goes to
+``$M3_VNEURON_TRACE`` (SPEC ``env`` may set it). OUT: ``{"tokens": {id: [...]}, "token_steps": {id: [engine step of
+each token]}, "steps": N, "seconds": {...}}``.
 
 Run in a process of its own (vLLM picks its platform once per process; spawned workers re-import this module, hence
 the ``__main__`` guard). ``M3_VNEURON_HARNESS=1`` selects the harness platform; ``VLLM_PLUGINS`` limits vLLM to it.
@@ -41,8 +43,9 @@ def main(spec_path: str, out_path: str) -> int:
     while pending or engine.has_unfinished_requests():
         while pending and pending[0].get("arrive", 0) <= step:
             r = pending.pop(0)
-            params = vllm.SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
-                                         output_kind=RequestOutputKind.DELTA)
+            sampling = {"temperature": 0.0, **r.get("sampling", {})}  # greedy unless the request says otherwise
+            params = vllm.SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True,
+                                         output_kind=RequestOutputKind.DELTA, **sampling)
             engine.add_request(r["id"], vllm.TokensPrompt(prompt_token_ids=r["prompt"]), params)
         step += 1
         for out in engine.step():

@@ -29,9 +29,11 @@ class HarnessNeuronConfig:
     (R@16000: ``NeuronConfig.from_dict(additional_config["neuron_config"])``, then the bucket fields resolved).
 
     No tensor-parallel degree: the real NeuronConfig has none; models read TP from ``vllm.distributed.get_tp_group()``
-    (size 1 in the harness). ``on_device_sampling_config`` is always None here (host sampling through vLLM's
-    sampler); the real plugin's default is ODS *on* when the key is absent (C@0 ``from_dict``), so a config meant to
-    behave the same on device should pass ``"on_device_sampling_config": None`` explicitly.
+    (size 1 in the harness). ``on_device_sampling_config``: None (host sampling through vLLM's sampler) unless the
+    test passes a dict (the plugin's ``OnDeviceSamplingConfig`` fields, e.g. ``{}`` for its defaults): then the model
+    samples and the runner takes its ids (R@352000 ``_sample``). The real plugin's default is ODS *on* when the key
+    is absent (C@0 ``from_dict``); the harness keeps host sampling as its default so that a config meant to behave
+    the same on device passes ``"on_device_sampling_config": None`` (or a dict) explicitly.
     """
 
     ep_degree: int = 1
@@ -107,14 +109,20 @@ def resolve_neuron_config(vllm_config) -> HarnessNeuronConfig:
     sched, model_config = vllm_config.scheduler_config, vllm_config.model_config
     max_model_len = model_config.max_model_len
     max_num_seqs = sched.max_num_seqs
-    if nc.get("on_device_sampling_config") is not None:
-        raise NotImplementedError("the harness samples on the host: set neuron_config.on_device_sampling_config=None")
+    ods = nc.get("on_device_sampling_config")
+    if ods is not None and not isinstance(ods, dict):
+        raise ValueError(f"on_device_sampling_config must be a dict of OnDeviceSamplingConfig fields or null, got "
+                         f"{ods!r}")
+    if ods is not None and nc.get("enable_structured_outputs"):
+        # vLLM 0.24 hands the grammar to sample_tokens, after execute_model: the harness cannot pass it into the
+        # forward as the plugin's logit_mask (how the plugin orders them was not read)
+        raise NotImplementedError("structured outputs with on-device sampling are not run by the harness")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         raise NotImplementedError("decode context parallelism is not run by the harness (one rank)")
     cfg = HarnessNeuronConfig(
         ep_degree=nc.get("ep_degree", 1), attention_dp_size=nc.get("attention_dp_size", 1),
         embedding_dp_size=nc.get("embedding_dp_size", 1), lm_head_dp_size=nc.get("lm_head_dp_size", 1),
-        mlp_dp_size=nc.get("mlp_dp_size", 1), on_device_sampling_config=None,
+        mlp_dp_size=nc.get("mlp_dp_size", 1), on_device_sampling_config=ods,
         max_logprobs=nc.get("max_logprobs", getattr(model_config, "max_logprobs", 0)),  # R@16000 setdefault
         debug_logits_dir=nc.get("debug_logits_dir"), quantization=nc.get("quantization"),
         all2all_backend=nc.get("all2all_backend"), modules_to_not_convert=nc.get("modules_to_not_convert"),

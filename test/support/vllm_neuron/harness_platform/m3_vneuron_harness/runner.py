@@ -1,5 +1,5 @@
 """The model runner of the off-device harness: vLLM 0.24's scheduler output in, the vLLM Neuron 1.x model contract's
-forward calls out, host sampling by vLLM's own sampler.
+forward calls out, host sampling by vLLM's own sampler (or, with ``on_device_sampling_config``, the model's ids).
 
 Each forward gets what ``NeuronModelRunner`` (jinhuang12/vllm-neuron @ ed3580d; ``R@N`` = the character offset of
 the page of ``vllm_neuron/vllm/worker/neuron_model_runner.py`` where it is, see ``contract.py``) would give it:
@@ -12,7 +12,9 @@ the page of ``vllm_neuron/vllm/worker/neuron_model_runner.py`` where it is, see 
   every cache write it reads happens in an earlier forward;
 * ``input_ids`` int32, ``positions`` int64 (prefill padding repeats the last real position, decode padding is 0),
   ``sampling_positions`` int64 (the last real token of each request; padding repeats the last real index),
-  ``sampling_params=None`` (host sampling), ``spec_decode_metadata=None``, ``rank`` an int32 scalar tensor,
+  ``sampling_params=None`` (host sampling; with on-device sampling float32 ``[rows, 3]`` = (top_k, top_p,
+  temperature) per request in batch order, padding rows zero, R@0 ``build_sampling_params_tensor``: defaults -1,
+  1.0, 0.0), ``spec_decode_metadata=None``, ``rank`` an int32 scalar tensor,
   ``logit_mask`` None unless ``enable_structured_outputs`` (then all-True, bool, [rows, vocab]);
 * ``attn_metadata[layer name]`` for every layer of every KV cache group (the same dict object within a group,
   R@192000): ``block_table_tensor`` int32 [reqs, width] with vLLM's null block shown as -1 (R@0, R@96000),
@@ -318,6 +320,19 @@ class HarnessRunner:
             return None
         return torch.ones(rows, self.vocab_size, dtype=torch.bool, device=self.device)
 
+    def _sampling_params(self, rids: list[str], rows: int):
+        """R@0 ``build_sampling_params_tensor``: None without on-device sampling; else float32 ``[rows, 3]`` =
+        (top_k, top_p, temperature) of each request (vLLM's SamplingParams; top_k <= 0 off, temperature 0 greedy),
+        padded with zero rows (R@304000)."""
+        if self.neuron_config.on_device_sampling_config is None:
+            return None
+        out = torch.zeros(rows, 3, dtype=torch.float32)
+        for i, rid in enumerate(rids):
+            sp = self.requests[rid].sampling_params
+            out[i] = torch.tensor([float(sp.top_k if sp.top_k and sp.top_k > 0 else -1), float(sp.top_p),
+                                   float(sp.temperature)])
+        return out.to(self.device)
+
     def _prefill(self, row: int, rid: str, n: int) -> Forward:
         """R@112000..R@160000 for a one-request batch: tokens padded to the token bucket the Neuron scheduler picks
         (S@16000 ``_calculate_padded_count``), padding ids 0, padding positions = the last real position, padding
@@ -339,8 +354,8 @@ class HarnessRunner:
         meta = self._metadata(self._group_rows([row], 1), slots, padded, computed, decode=False)
         kwargs = dict(input_ids=ids.to(self.device), positions=pos.to(self.device), attn_metadata=meta,
                       sampling_positions=torch.tensor([n - 1], dtype=torch.int64, device=self.device),
-                      sampling_params=None, spec_decode_metadata=None, rank=self.rank_tensor,
-                      logit_mask=self._logit_mask(1))
+                      sampling_params=self._sampling_params([rid], 1), spec_decode_metadata=None,
+                      rank=self.rank_tensor, logit_mask=self._logit_mask(1))
         return Forward("prefill", [rid], [n], [computed], kwargs)
 
     def _decode(self, rows: list[int], rids: list[str]) -> Forward:
@@ -365,8 +380,8 @@ class HarnessRunner:
             sample = torch.cat([sample, torch.full((padded - k,), k - 1, dtype=torch.int64)])
         meta = self._metadata(self._group_rows(rows, padded), slots, 1, max(computed), decode=True, ctx_len=computed)
         kwargs = dict(input_ids=ids.to(self.device), positions=pos.to(self.device), attn_metadata=meta,
-                      sampling_positions=sample.to(self.device), sampling_params=None, spec_decode_metadata=None,
-                      rank=self.rank_tensor, logit_mask=self._logit_mask(padded))
+                      sampling_positions=sample.to(self.device), sampling_params=self._sampling_params(rids, padded),
+                      spec_decode_metadata=None, rank=self.rank_tensor, logit_mask=self._logit_mask(padded))
         return Forward("decode", rids, [1] * k, computed, kwargs)
 
     def _plan(self, so) -> list[tuple[Forward, list[int]]]:
@@ -399,13 +414,20 @@ class HarnessRunner:
             self._trace({"step": self.step, "event": "empty"})
             return EMPTY_MODEL_RUNNER_OUTPUT
         logits = torch.empty(self.input_batch.num_reqs, self.vocab_size, dtype=torch.float32)
+        ods = self.neuron_config.on_device_sampling_config is not None
+        drawn = torch.full((self.input_batch.num_reqs,), -1, dtype=torch.int64)
         for fwd, rows in self._plan(so):
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = self._callable()(**fwd.kwargs)
-            if isinstance(out, tuple):
-                raise NotImplementedError("the model returned a tuple: on-device sampling / EAGLE3 taps are not "
-                                          "served; host sampling wants logits [rows, vocab]")
+            if ods:  # R@352000: (sampled ids, logits) from the model; the logits serve logprobs only
+                if not (isinstance(out, tuple) and len(out) == 2 and out[0].dtype == torch.int32):
+                    raise RuntimeError("on-device sampling: the model must return (sampled int32 [rows], logits)")
+                ids, out = out
+                drawn[rows] = ids[: len(rows)].to(torch.int64).cpu()
+            elif isinstance(out, tuple):
+                raise NotImplementedError("the model returned a tuple: EAGLE3 taps are not served; host sampling "
+                                          "wants logits [rows, vocab]")
             if out.shape[0] != fwd.kwargs["sampling_positions"].shape[0]:
                 raise RuntimeError(f"model returned {tuple(out.shape)} logits for "
                                    f"{fwd.kwargs['sampling_positions'].shape[0]} sampling positions")
@@ -421,7 +443,7 @@ class HarnessRunner:
                 "block_table_shape": list(m0["block_table_tensor"].shape),
                 "max_query_len": m0["max_query_len"], "cached_seq_len": int(m0["cached_seq_len"].item()),
                 "kv_segment_size": m0["kv_segment_size"], "seconds": round(time.perf_counter() - t0, 4)})
-        self._pending = (so, logits)
+        self._pending = (so, logits, drawn if ods else None)
         return None
 
     def sample_tokens(self, grammar_output):
@@ -432,15 +454,17 @@ class HarnessRunner:
 
         if self._pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        so, logits = self._pending
+        so, logits, drawn = self._pending
         self._pending = None
         ib = self.input_batch
         if grammar_output is not None and grammar_output.grammar_bitmask is not None:
             from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
             apply_grammar_bitmask(so, grammar_output, ib, logits)
-        out = self.sampler(logits=logits, sampling_metadata=ib.sampling_metadata)
-        sampled = out.sampled_token_ids.view(-1).tolist()
+        out = None
+        if drawn is None or ib.sampling_metadata.max_num_logprobs:  # on device: the host sampler for logprobs only
+            out = self.sampler(logits=logits, sampling_metadata=ib.sampling_metadata)
+        sampled = (drawn if drawn is not None else out.sampled_token_ids.view(-1)).tolist()
         req_ids = list(ib.req_ids)
         tokens: list[list[int]] = []
         for i, rid in enumerate(req_ids):
@@ -459,7 +483,7 @@ class HarnessRunner:
                      "tokens": {rid: t for rid, t in zip(req_ids, tokens)}})
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index=dict(ib.req_id_to_index), sampled_token_ids=tokens,
-            logprobs=out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None,
+            logprobs=out.logprobs_tensors.tolists() if out is not None and out.logprobs_tensors is not None else None,
             prompt_logprobs_dict={}, pooler_output=[])
 
     # ------------------------------------------------------------ warm-up
@@ -500,9 +524,12 @@ class HarnessRunner:
             sample = torch.arange(tokens, dtype=torch.int64)
         meta = self._metadata(tables, slots, tokens // reqs, 0, decode=not prefill, ctx_len=[0] * reqs,
                               full_tables=fulls)
+        rows = 1 if prefill else reqs
+        ods = None if self.neuron_config.on_device_sampling_config is None else \
+            torch.tensor([[0.0, 1.0, 1.0]]).expand(rows, 3).contiguous()  # W@64000's warm-up row, per row
         return dict(input_ids=ids, positions=pos, attn_metadata=meta, sampling_positions=sample,
-                    sampling_params=None, spec_decode_metadata=None, rank=self.rank_tensor,
-                    logit_mask=self._logit_mask(1 if prefill else reqs))
+                    sampling_params=ods, spec_decode_metadata=None, rank=self.rank_tensor,
+                    logit_mask=self._logit_mask(rows))
 
     # -------------------------------------------------------------- trace
     def _trace(self, record: dict) -> None:
