@@ -177,16 +177,20 @@ def test_tensor_parallel_2_one_kv_head_per_rank(m3, tmp_path):
     assert kv["groups"][0]["layers"]["layers.1.self_attn"] == [kv["num_blocks"], 1, BLOCK, 32]
 
 
-def test_compiled_like_the_plugin_no_recompile(m3, tmp_path):
+@pytest.mark.parametrize("sampling", ["host", "on device"])
+def test_compiled_like_the_plugin_no_recompile(m3, tmp_path, sampling):
     """M3_VNEURON_COMPILE=aot_eager: the harness compiles the model as the plugin does (torch.compile, fullgraph),
     warms every bucket (32-token prefill segments, decode batches 1, 2, 4), then makes any recompile an error. A run
-    with segments, a prefix hit and a decode batch compiles nothing more, and its tokens are the reference's."""
+    with segments, a prefix hit and a decode batch compiles nothing more, and its tokens are the reference's; with
+    on-device sampling too (the sampler inside the captured graph, ``sampling_params`` an input)."""
     path, ref = m3
     long = _ids(80, 41)
     reqs = [{"id": "p", "prompt": long, "max_tokens": 4, "arrive": 0},
             {"id": "q", "prompt": long[:48] + _ids(5, 42), "max_tokens": 4, "arrive": 4},
             {"id": "s", "prompt": _ids(20, 43), "max_tokens": 3, "arrive": 4}]
-    out, records = drive(tmp_path, path, ENGINE, reqs, env={"M3_VNEURON_MODELS": MODELS,
+    engine = ENGINE if sampling == "host" else dict(
+        ENGINE, additional_config={"neuron_config": {"on_device_sampling_config": {}}})
+    out, records = drive(tmp_path, path, engine, reqs, env={"M3_VNEURON_MODELS": MODELS,
                                                            "M3_VNEURON_COMPILE": "aot_eager"})
     for r in reqs:
         assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
