@@ -144,3 +144,37 @@ def test_fp8_experts_decode_reads_one_byte_per_expert_weight(report, tmp_path):
     assert 0.9 * a <= fp8["bytes_read"]["weights"] <= 1.1 * a
     text = (out / json.loads((out / "dry_run.json").read_text())["graphs"][1]["stablehlo"]).read_text()
     assert "f8E4M3FN" in text
+
+
+def test_on_device_sampling_graphs_end_in_the_draw(report, tmp_path):
+    """``--on-device-sampling`` (the plugin's default): every graph takes the runner's ``sampling_params`` (f32
+    ``[rows, 3]``, the sixth input) and returns the drawn ids (i32 ``[rows]``) beside the logits, through one
+    ``stablehlo.rng`` (a uniform per row) and the candidates' sort; the weights, cache reads and collectives of each
+    decode graph are the host-sampling build's."""
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+
+    host_out, host, _ = report
+    ckpt = write_synthetic(tmp_path / "tiny", "tiny", seed=0)
+    out = tmp_path / "ods"
+    r = _dry_run(ckpt, out, "--prefill-chunk", "512", "--batch", "2", "--on-device-sampling")
+    assert r.returncode == 0, r.stderr[-3000:]
+    man = json.loads((out / "dry_run.json").read_text())
+    assert man["on_device_sampling"] is True
+    rep = json.loads((out / "graphs.json").read_text())
+    for g in man["graphs"]:
+        assert [p["name"] for p in g["params"][:6]] == ["input_ids", "positions", "slot_mapping", "block_table",
+                                                        "sampling_positions", "sampling_params"]
+        text = (out / g["stablehlo"]).read_text()
+        rows = g["batch"]
+        assert text.count('"stablehlo.rng"') == 1
+        assert f"tensor<{rows}x3xf32>" in text.split('"func.return"')[0]
+        results = text.split('"func.return"')[-1].split(") -> ()")[0]
+        assert results.rstrip().endswith(f"tensor<{rows}xi32>, tensor<{rows}x512xf32>"), results[-200:]
+    hosted = {(g["submodel"], g["batch"]): g for g in host["graphs"]}
+    for g in rep["graphs"]:
+        if g["submodel"] != "token_generation_model":
+            continue
+        h = hosted[(g["submodel"], g["batch"])]
+        assert g["bytes_read"] == h["bytes_read"] and g["collectives"] == h["collectives"], g["batch"]
+    host_man = json.loads((host_out / "dry_run.json").read_text())
+    assert not any('"stablehlo.rng"' in (host_out / g["stablehlo"]).read_text() for g in host_man["graphs"])

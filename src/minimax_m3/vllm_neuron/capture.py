@@ -20,6 +20,7 @@ import torch
 from ..config.m3 import M3Config
 from ..errors import M3Error
 from ..reference.model import M3Model
+from . import sampling
 from .contract import Layout, attention_spec
 from .model import MiniMaxM3ForCausalLM
 
@@ -65,8 +66,9 @@ class Capture:
 def inputs(model: MiniMaxM3ForCausalLM, b: Bucket, start: int = 0, seed: int = 0) -> dict:
     """The forward's arguments for bucket ``b``, laid out as the runner lays them out: flat ``input_ids`` (int32) and
     ``positions``, one ``attn_metadata`` dict under every layer's name (slots from the block table, padding 0),
-    ``sampling_positions`` at each row's last token. ``start``: the first position (a prefill segment after cached
-    tokens, or each decode row's position); ``seed`` shuffles the pages (other block tables, same shapes)."""
+    ``sampling_positions`` at each row's last token, and with on-device sampling ``sampling_params``. ``start``: the
+    first position (a prefill segment after cached tokens, or each decode row's position); ``seed`` shuffles the
+    pages (other block tables, same shapes)."""
     c = model.config
     bs, rows = c.index_block_size, b.batch if b.kind == "decode" else 1
     gen = torch.Generator().manual_seed(seed)
@@ -76,9 +78,12 @@ def inputs(model: MiniMaxM3ForCausalLM, b: Bucket, start: int = 0, seed: int = 0
     slots = pages.gather(1, pos // bs) * bs + pos % bs
     md = {"slot_mapping": slots.reshape(-1), "block_table_tensor": pages.to(torch.int32), "block_size": bs,
           "max_query_len": per, "decode_token_threshold": per if b.kind == "decode" else 1}
-    return dict(input_ids=torch.randint(3, c.vocab_size, (rows * per,), generator=gen, dtype=torch.int32),
-                positions=pos.reshape(-1), attn_metadata={attention_spec(i): md for i in range(c.num_layers)},
-                sampling_positions=torch.arange(rows) * per + per - 1)
+    out = dict(input_ids=torch.randint(3, c.vocab_size, (rows * per,), generator=gen, dtype=torch.int32),
+               positions=pos.reshape(-1), attn_metadata={attention_spec(i): md for i in range(c.num_layers)},
+               sampling_positions=torch.arange(rows) * per + per - 1)
+    if model.ods is not None:  # the runner's (top_k, top_p, temperature) per row (:mod:`.sampling`)
+        out["sampling_params"] = torch.tensor([[50.0, 0.9, 0.8]]).expand(rows, 3).contiguous()
+    return out
 
 
 def capture(model: MiniMaxM3ForCausalLM, b: Bucket, starts: tuple[int, ...] = (0,)) -> Capture:
@@ -106,10 +111,11 @@ def capture(model: MiniMaxM3ForCausalLM, b: Bucket, starts: tuple[int, ...] = (0
 
 
 def rank_model(c: M3Config, world: int = 1, rank: int = 0, ep: int = 1, dtype=torch.bfloat16,
-               num_blocks: int = 64, experts: str = "bf16") -> MiniMaxM3ForCausalLM:
+               num_blocks: int = 64, experts: str = "bf16", on_device_sampling: bool = False) -> MiniMaxM3ForCausalLM:
     """Rank ``rank`` of ``world`` with random weights at the per-rank shapes, its pages bound (``num_blocks`` of the
-    index block), the load-time choices of :meth:`MiniMaxM3ForCausalLM.load_weights` made. ``world > 1`` joins (once)
-    torch's ``fake`` process group of that size: collectives are captured, never run."""
+    index block), the load-time choices of :meth:`MiniMaxM3ForCausalLM.load_weights` made; ``on_device_sampling``:
+    the plugin's default sampler config (its graphs then end in the draw). ``world > 1`` joins (once) torch's
+    ``fake`` process group of that size: collectives are captured, never run."""
     group = None
     if world > 1:
         import torch.distributed as dist
@@ -129,6 +135,7 @@ def rank_model(c: M3Config, world: int = 1, rank: int = 0, ep: int = 1, dtype=to
 
         quantize_experts_(model.m3)
     model.fix_for_capture("cpu")
+    model.ods = sampling.OnDeviceSampling() if on_device_sampling else None
     caches = {s.name: [torch.zeros(num_blocks, s.num_kv_heads, c.index_block_size, s.head_size, dtype=dtype)
                        for _ in range(2)] for s in model.get_kv_spec().layers}
     model.bind_kv_cache(caches)
@@ -223,24 +230,33 @@ def lower(model: MiniMaxM3ForCausalLM, b: Bucket) -> Lowered:
     md = args["attn_metadata"][attention_spec(0)]
     n_w = len(weights)
 
+    extra = ["sampling_params"] if "sampling_params" in args else []  # on-device sampling: the runner's tensor
+
+    def call(input_ids, positions, slots, table, sampling_positions, more, tensors):
+        w = {f"m3.{k}": t for k, t in zip(weights, tensors[:n_w])}
+        it = iter(tensors[n_w:])
+        model.bind_kv_cache({name: [next(it), next(it)] for name in specs})
+        meta = {attention_spec(i): dict(md, slot_mapping=slots, block_table_tensor=table)
+                for i in range(c.num_layers)}
+        return torch.func.functional_call(model, w, (input_ids, positions), dict(
+            attn_metadata=meta, sampling_positions=sampling_positions, **dict(zip(extra, more))))
+
     class Forward(torch.nn.Module):  # the model is a closure, not a submodule: its weights stay arguments
         def forward(self, input_ids, positions, slots, table, sampling_positions, *tensors):
-            w = {f"m3.{k}": t for k, t in zip(weights, tensors[:n_w])}
-            it = iter(tensors[n_w:])
-            model.bind_kv_cache({name: [next(it), next(it)] for name in specs})
-            meta = {attention_spec(i): dict(md, slot_mapping=slots, block_table_tensor=table)
-                    for i in range(c.num_layers)}
-            return torch.func.functional_call(model, w, (input_ids, positions),
-                                              dict(attn_metadata=meta, sampling_positions=sampling_positions))
+            return call(input_ids, positions, slots, table, sampling_positions, (), tensors)
+
+    class SampledForward(torch.nn.Module):
+        def forward(self, input_ids, positions, slots, table, sampling_positions, sampling_params, *tensors):
+            return call(input_ids, positions, slots, table, sampling_positions, (sampling_params,), tensors)
 
     user = (args["input_ids"], args["positions"], md["slot_mapping"], md["block_table_tensor"],
-            args["sampling_positions"], *weights.values(), *pages)
-    names = ["input_ids", "positions", "slot_mapping", "block_table", "sampling_positions", *weights,
+            args["sampling_positions"], *(args[k] for k in extra), *weights.values(), *pages)
+    names = ["input_ids", "positions", "slot_mapping", "block_table", "sampling_positions", *extra, *weights,
              *(order[id(t)] for t in pages)]
-    roles = ["input"] * 5 + ["weight"] * n_w + ["state"] * len(pages)
+    roles = ["input"] * (5 + len(extra)) + ["weight"] * n_w + ["state"] * len(pages)
     try:
         with torch.no_grad():
-            ep = torch.export.export(Forward(), user, strict=True)
+            ep = torch.export.export(SampledForward() if extra else Forward(), user, strict=True)
         from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
         _mark_collectives(ep.graph_module)

@@ -4,7 +4,8 @@ The plugin compiles one graph per bucket (``docs/notes/vllm_neuron_runner.md``, 
 ``max_num_batched_tokens`` tokens (one size, one of 512..8192, or ``max_model_len`` up to 16K single-shot) and
 decode batches of 1, 2, 4 .. ``max_num_seqs`` rows, each over a block table ``cdiv(max_model_len, 128)`` pages wide.
 Here ``--prefill-chunk`` is the segment, ``--batch`` ``max_num_seqs``, ``--max-seq-len`` ``max_model_len``,
-``--speculative-tokens K`` adds the ``1 + K`` verify graph per batch.
+``--speculative-tokens K`` adds the ``1 + K`` verify graph per batch, ``--on-device-sampling`` the sampler to every
+graph (the plugin's default; without it, the graphs return logits to vLLM's sampler).
 
 For each bucket, rank 0 of ``--tp`` (``--ep`` expert-parallel groups) with random weights at the rank's shapes
 (:func:`.capture.rank_model`) is captured whole (:func:`.capture.capture`) and lowered to StableHLO
@@ -70,12 +71,13 @@ def submodel(b: Bucket) -> str:
 
 
 def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dtype=torch.bfloat16,
-          log=print, experts: str = "bf16") -> Path:
+          log=print, experts: str = "bf16", on_device_sampling: bool = False) -> Path:
     """Capture and lower each bucket of ``plan`` for rank 0 of ``tp``; write the modules and ``dry_run.json``."""
     out = Path(out)
     width = plan[0].width
     rows = max(b.batch for b in plan)
-    model = rank_model(c, world=tp, rank=0, ep=ep, dtype=dtype, num_blocks=rows * width + 1, experts=experts)
+    model = rank_model(c, world=tp, rank=0, ep=ep, dtype=dtype, num_blocks=rows * width + 1, experts=experts,
+                       on_device_sampling=on_device_sampling)
     graphs, index = [], {}
     for b in plan:
         name = submodel(b)
@@ -97,6 +99,7 @@ def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dt
                 "layout": {"tp": tp, "ep": ep, "kv_layout": "paged", "chunked": True},
                 "dtype": str(dtype).replace("torch.", ""), "batch_size": rows,
                 "max_length": width * c.index_block_size, "weights": experts,
+                "on_device_sampling": on_device_sampling,
                 "speculation_length": max((b.tokens for b in plan if b.kind == "decode"), default=1),
                 "model": c.fields_dict(), "graphs": graphs}
     path = out / "dry_run.json"
@@ -107,7 +110,9 @@ def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dt
 def run(args) -> int:
     """The CLI: ``--model`` (config.json only), ``--tp`` (default 64: trn2.48xlarge at LNC 2), ``--ep`` (the model's
     ``ep_degree``, default 1), ``--weights`` (``fp8``: the plugin's ``quantization: "fp8"``),
-    ``--max-seq-len``, ``--batch``, ``--prefill-chunk``, ``--speculative-tokens``, ``--compiled OUT``."""
+    ``--max-seq-len``, ``--batch``, ``--prefill-chunk``, ``--speculative-tokens``, ``--on-device-sampling`` (the
+    plugin's default: every graph ends in the draw of :mod:`.sampling`, ``sampling_params`` an input),
+    ``--compiled OUT``."""
     problems = []
     try:
         import torch_mlir  # noqa: F401
@@ -130,7 +135,8 @@ def run(args) -> int:
     out = args.compiled or str(Path(args.model).resolve()) + f"-vllm-neuron-tp{tp}-dry-run"
     t0 = time.perf_counter()
     print(f"vllm-neuron dry run: rank 0 of TP {tp} / EP {ep}, {c.num_layers} layers, {len(plan)} bucket(s)")
-    path = write(out, c, tp, ep, plan, DTYPES[args.dtype], experts=getattr(args, "weights", None) or "bf16")
+    path = write(out, c, tp, ep, plan, DTYPES[args.dtype], experts=getattr(args, "weights", None) or "bf16",
+                 on_device_sampling=bool(getattr(args, "on_device_sampling", False)))
     print(f"wrote {len(plan)} graph(s) in {time.perf_counter() - t0:.0f} s -> {path}")
     from ..graphs import report as graphs
 
