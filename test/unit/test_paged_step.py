@@ -87,3 +87,49 @@ def test_block_table_padding_reads_the_null_page():
     pages = Pages(cache, torch.tensor([[2, -1]]))
     assert torch.equal(pages.lines()[0, 0], torch.cat([cache[2, 0], cache[0, 0]]))
     assert torch.equal(pages.gather(torch.tensor([[[[1, 0]]]]))[0, 0, 0], torch.cat([cache[0, 0], cache[2, 0]]))
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("start, t", [(0, 40), (13, 20)])
+def test_a_query_split_selection_matches_the_oracle(parts, start, t):
+    """``ops.QuerySplit``: ``parts`` ranks holding the same pages each select the blocks of their share of the call's
+    queries, and the gather (here: the shares the other simulated ranks computed, in order) hands each the whole
+    selection; every rank's output equals the oracle's, as the whole selection's does."""
+    gen = torch.Generator().manual_seed(7 * start + t + parts)
+    b, width = 2, 8
+    starts = [start, start + 3]
+    k, v, ik = _lines(b, starts[-1] + t, gen)
+    q, iq = torch.randn(b, HQ, t, D, generator=gen), torch.randn(b, HKV, t, DI, generator=gen)
+    kc, vc, ikc, table = _paged(k, v, ik, width, gen)
+    sel, q_pos = ops.Selection(P, TOPK, 0, 1), torch.stack([torch.arange(s0, s0 + t) for s0 in starts])
+    ik_line = Pages(ikc, table).lines()[:, 0]
+
+    def run(index, gather):
+        return ops.attention_step(q, Pages(kc, table), Pages(vc, table), None, q_pos, torch.tensor(starts), 0,
+                                  ops.Alone(), SCALE, sel, iq, ik_line, tile=8,
+                                  split=ops.QuerySplit(parts, index, gather))
+
+    shares = {}
+
+    def keep(index):
+        def gather(ids):
+            assert ids.shape[2] == t // parts  # this rank selected its share only
+            shares[index] = ids
+            return torch.zeros(b, ids.shape[1], t, ids.shape[3], dtype=ids.dtype)
+        return gather
+
+    for i in range(parts):
+        run(i, keep(i))
+    whole = torch.cat([shares[i] for i in range(parts)], dim=2)
+    for i in range(parts):
+        got = run(i, lambda ids, i=i: (torch.testing.assert_close(ids, shares[i]), whole)[1])
+        for row, s0 in enumerate(starts):
+            want = oracles.prefill_attention(q[row:row + 1], k[row:row + 1, :, :s0 + t], v[row:row + 1, :, :s0 + t],
+                                             SCALE, iq=iq[row:row + 1], ik=ik[row:row + 1, :s0 + t], block_size=P,
+                                             topk=TOPK, tile=8, start=s0)
+            torch.testing.assert_close(got[row:row + 1], want, rtol=TOL, atol=TOL)
+    # a decode step (one token a row) and a call not a multiple of the parts select whole
+    one = ops.attention_step(q[:, :, :1], Pages(kc, table), Pages(vc, table), None, q_pos[:, :1],
+                             torch.tensor(starts), 0, ops.Alone(), SCALE, sel, iq[:, :, :1], ik_line,
+                             split=ops.QuerySplit(parts, 0, lambda ids: pytest.fail("decode must not split")))
+    assert one.shape == (b, HQ, 1, D)

@@ -257,3 +257,33 @@ def test_on_device_sampling_draws_in_the_model(m3, tmp_path):
     bad = {"neuron_config": {"on_device_sampling_config": {"sampling_dp_degree": 2}}}
     with pytest.raises(AssertionError, match="sampling_dp_degree 2"):
         drive(tmp_path / "bad", path, dict(ENGINE, additional_config=bad), reqs[:1], env={"M3_VNEURON_MODELS": MODELS})
+
+
+def test_tensor_parallel_2_one_kv_head_split_selection(tmp_path):
+    """tensor_parallel_size 2 on a checkpoint with ONE KV head (and index head): both ranks hold its pages, so a
+    prefill segment's index selection is split by query between them (``ops.QuerySplit``: each scores 16 of a
+    32-token segment's queries, one all-gather of the block ids over vLLM's TP group). Prefix caching and segments
+    on; tokens = the reference's (the reference selects every query whole)."""
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+    from minimax_m3.config import M3Config
+    from minimax_m3.reference.engine import ReferenceEngine
+    from minimax_m3.vllm_neuron.contract import Layout
+    from minimax_m3.vllm_neuron.model import MiniMaxM3ForCausalLM
+
+    config = M3Config.preset("tiny").replace(num_kv_heads=1, index_heads=1)
+    path = write_synthetic(tmp_path / "one-kv", config, seed=3)
+    ref = ReferenceEngine.from_pretrained(path, device="cpu", dtype="float32", max_seq_len=512)
+    split = MiniMaxM3ForCausalLM(config, Layout(world=2, rank=1, dtype=torch.float32)).query_split()
+    assert (split.parts, split.index) == (2, 1)
+    engine = dict(ENGINE, max_num_seqs=2, num_gpu_blocks_override=64, tensor_parallel_size=2,
+                  distributed_executor_backend="mp")
+    long = _ids(90, 71)
+    reqs = [{"id": "x", "prompt": long, "max_tokens": 6, "arrive": 0},
+            {"id": "y", "prompt": long[:64] + _ids(11, 72), "max_tokens": 6, "arrive": 4}]
+    env = {"M3_VNEURON_MODELS": MODELS, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    (tmp_path / "run").mkdir()
+    out, records = drive(tmp_path / "run", path, engine, reqs, env=env)
+    for r in reqs:
+        assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
+    assert any(r["kind"] == "prefill" and r["input_ids_shape"][0] == 2 * BLOCK
+               for r in records if r["event"] == "forward")

@@ -10,7 +10,7 @@ from pathlib import Path
 from .hlo_cost import DOT_CLASSES
 
 STATE_KINDS = ("kv_dense", "kv_sparse", "index_k")
-PLANNER_DTYPES = {"fp32": "f32", "bf16": "bf16", "fp8": "f8e4m3fn"}
+PLANNER_DTYPES = {"fp32": "f32", "bf16": "bf16", "fp8": "f8e4m3fn", "int64": "s64"}
 
 
 def _si(n: float | None, unit: str) -> str:

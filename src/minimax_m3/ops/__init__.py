@@ -17,11 +17,11 @@ from .prefill import (
 )
 from .rope import apply_rope, apply_rope_tables, rope_cos_sin, rope_inv_freq, rope_tables
 from .sampling import filter_logits, sample
-from .step import Active, Alone, Group, Selection, attention_step, call_active, token_active
+from .step import Active, Alone, Group, QuerySplit, Selection, attention_step, call_active, token_active
 from . import layout, step
 
 __all__ = [
-    "MAX_PREFILL_CALL", "PREFILL_MAX_TILE", "PREFILL_TILES", "Active", "Alone", "Group", "Selection",
+    "MAX_PREFILL_CALL", "PREFILL_MAX_TILE", "PREFILL_TILES", "Active", "Alone", "Group", "QuerySplit", "Selection",
     "apply_rope", "apply_rope_tables", "attention_step", "block_keep_mask", "call_active", "call_tokens",
     "causal_keep", "combine", "combine_matrix", "combine_weights", "expert_ffn", "filter_logits", "force_blocks",
     "index_block_scores", "layout", "local_candidates", "masked_attention", "merge_candidates", "moe_all_experts",

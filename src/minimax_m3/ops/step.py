@@ -92,6 +92,24 @@ class Group(Protocol):
         ``y[j]`` the part rank ``j`` sent this rank."""
 
 
+@dataclass(frozen=True)
+class QuerySplit:
+    """A call's index selection split by query over the ``parts`` ranks that hold the same index queries and keys
+    (the vLLM Neuron model's pages: a KV head's pages, and its index head, replicated on ``parts`` ranks): rank
+    ``index`` of them selects the blocks of queries ``[index * T / parts, (index + 1) * T / parts)`` only, and
+    ``gather(ids [B, H, T / parts, K]) -> [B, H, T, K]`` (one all-gather, parts in order) hands every one of them
+    the whole call's selection. Exact: each query's selection is what it would have been. The step takes it for a
+    call of at least ``parts`` tokens per row, a multiple of them, whose keys are all in the caches (a prefill
+    segment over pages); a decode or verify step selects whole."""
+
+    parts: int
+    index: int
+    gather: object  # Callable[[torch.Tensor], torch.Tensor]
+
+    def applies(self, t: int, act) -> bool:
+        return self.parts > 1 and act is None and t >= self.parts and t % self.parts == 0
+
+
 class Alone:
     """The group of one rank: every collective is the identity (the step skips them)."""
 
@@ -326,7 +344,7 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
                    q_pos: torch.Tensor, start: torch.Tensor, rank, group: Group, scale: float,
                    sel: Selection | None = None, iq: torch.Tensor | None = None,
                    ik_prior: torch.Tensor | None = None, topk_fn=None, one_gather: bool | None = None,
-                   tile: int | None = None) -> torch.Tensor:
+                   tile: int | None = None, split: QuerySplit | None = None) -> torch.Tensor:
     """One rank's attention output ``[B, Hl, T, D]`` for its own query heads ``q_local [B, Hl, T, D]`` at ``q_pos
     [B, T]``, over the prior caches (slots of positions ``< start [B]``) and the active keys ``act``.
 
@@ -338,7 +356,9 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
     most ``topk`` blocks is attended densely (the indexer would select every block). ``one_gather`` (default:
     ``T == 1``, decode) sends the query heads and the candidates in one all-gather. ``tile``: queries per tile (the
     index scores and the gathered keys of one tile are live at once; default: the whole call). ``topk_fn(x, k,
-    dim=-1) -> (values, indices)`` replaces ``torch.topk`` (the Neuron port passes the SDK's top-k op)."""
+    dim=-1) -> (values, indices)`` replaces ``torch.topk`` (the Neuron port passes the SDK's top-k op). ``split``
+    (:class:`QuerySplit`, with ``G = 1`` and no active keys): the ranks that hold the same index head select a share
+    of the call's queries each and all-gather the block ids."""
     g, (b, hl, t, d) = group.size, q_local.shape
     one_gather = t == 1 if one_gather is None else one_gather
     nblk = 0
@@ -347,7 +367,12 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
         keys = (prior.shape[1] if prior is not None else act.ik.shape[1]) * g
         nblk = -(-keys // sel.block_size)
     cands = blocks = None
-    if sel is not None and nblk > sel.topk:
+    if sel is not None and nblk > sel.topk and g == 1 and split is not None and split.applies(t, act):
+        n = t // split.parts  # this rank's share of the queries, then the whole call's selection in one all-gather
+        part = slice(split.index * n, (split.index + 1) * n)
+        _, ids = _select(iq[:, :, part], ik_prior, act, q_pos[:, part], start, sel, rank, g, nblk, tile, topk_fn)
+        blocks = split.gather(ids)
+    elif sel is not None and nblk > sel.topk:
         scores, ids = _select(iq, ik_prior, act, q_pos, start, sel, rank, g, nblk, tile, topk_fn)
         if g == 1:  # the rank's own candidates are the selection
             blocks = ids

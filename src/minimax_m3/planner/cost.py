@@ -248,7 +248,9 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
     ``paged`` (the vLLM Neuron model: the reference's layers, ``reference.parallel``'s collectives): the same two
     all-reduces per layer; the vocabulary-parallel embedding's all-reduce (bf16 ``[T, hidden]``) instead of an
     all-gather, and the logits gathered in fp32 (``M3Model.logits`` casts before it gathers) for ``logit_rows`` rows
-    (the forward computes them for vLLM's ``sampling_positions`` only). Nothing else: KV heads replicated per group.
+    (the forward computes them for vLLM's ``sampling_positions`` only); KV heads replicated per group, so
+    a prefill segment's index selection is split by query over a group's G ranks and the block ids all-gathered
+    (int64 ``[T / G, K]`` from each of the ``tp`` ranks) in each sparse layer (``ops.QuerySplit``).
     Sharded, per attention layer, within the G ranks of a KV group (the port's step, ``ops.attention_step``, whose
     ``COLLECTIVES`` names them): the group's query heads all-gathered (bf16 ``[T, qg, d]``), in a decode or verify
     step's sparse layers (fewer than ``ops.step.ONE_GATHER_TOKENS`` tokens per row) packed with the
@@ -277,6 +279,11 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
         rows.append(dict(name="partial outputs + max + sum", kind="all-to-all", ranks=g, dtype="fp32",
                          bytes=tokens * qg * (d + 2) * FP32, count=grouped))
     paged = layout == PAGED
+    if paged and phase == "prefill" and g > 1 and tokens >= g and tokens % g == 0:
+        # a segment's index selection split by query over the g ranks holding a KV head (ops.QuerySplit): one
+        # all-gather of the int64 block ids [T / g, K] per sparse layer, over the TP group
+        rows.append(dict(name="selection ids (queries split over a KV head's ranks)", kind="all-gather", ranks=tp,
+                         dtype="int64", bytes=tokens // g * iq * c.index_topk * 8 * tp, count=n_sparse))
     logit_bytes = FP32 if paged else BF16
     rows = [dict(name="embedding", kind="all-reduce" if paged else "all-gather", ranks=tp, dtype="bf16",
                  bytes=tokens * h * BF16, count=1),

@@ -117,6 +117,14 @@ class ShardPlan:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def all_gather_stack(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` stacked along a new first dim ``[world, ...]`` (rank order)."""
+        if self.world == 1:
+            return x.unsqueeze(0)
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.stack(parts)
+
     # ---- slicing of full (single-process) parameters ---------------------------------------------------------
     def shard(self, c: M3Config, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full parameter ``name`` (a key of the world-size-1 model)."""

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import ops
+from ..config import parallel
 from ..config.m3 import M3Config
 from ..errors import ServingError
 from ..reference.loader import load_model
@@ -116,7 +118,24 @@ class MiniMaxM3ForCausalLM(nn.Module):
         return KVSpec(layers=layers)
 
     def bind_kv_cache(self, kv_caches: dict) -> None:
-        self.cache = PagedCache(self.config, kv_caches, self.layout.tile, self.layout.dtype)
+        self.cache = PagedCache(self.config, kv_caches, self.layout.tile, self.layout.dtype, self.query_split())
+
+    def query_split(self):
+        """The prefill index selection split over the ranks that hold this rank's KV head and index head
+        (``parallel.kv_group_size``: consecutive ranks, ``ShardPlan.kv_heads``): this rank scores its share of a
+        segment's queries and one all-gather over the TP group brings the group's shares (``ops.QuerySplit``); None
+        when each rank holds its own heads."""
+        parts = parallel.kv_group_size(self.config, self.layout.world)
+        if parts == 1:
+            return None
+        first = self.layout.rank // parts * parts
+
+        def gather(ids: torch.Tensor) -> torch.Tensor:
+            b, h, n, k = ids.shape
+            mine = self.plan.all_gather_stack(ids)[first:first + parts]  # [parts, B, H, T / parts, K]
+            return mine.permute(1, 2, 0, 3, 4).reshape(b, h, parts * n, k)
+
+        return ops.QuerySplit(parts, self.layout.rank % parts, gather)
 
     # ---- weights ------------------------------------------------------------------------------------------------
     def load_weights(self, checkpoint_path: str, device=None, cache_dir: str | None = None) -> None:

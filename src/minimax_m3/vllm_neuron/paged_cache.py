@@ -11,7 +11,9 @@ A forward call (:meth:`PagedCache.attend`, per layer) writes its tokens' K, V an
 ``slot_mapping`` FIRST, then runs ``ops.attention_step`` with no active keys over the pages (``ops.paged.Pages``):
 every query reads its row's pages up to its own position (prefill from position 0, a segment after cached tokens or a
 prefix-cache hit, decode, a speculative verify step: one rule), by selected page on sparse layers, the segment's own
-keys included.
+keys included. Where a KV head (and its index head) is replicated on several ranks, a prefill segment's index
+selection is split by query over them (``ops.QuerySplit``: each scores its share of the queries, one all-gather of
+the block ids), not computed whole on each.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from .contract import attention_spec, check_block_size, index_spec
 class PagedCache:
     """The bound K/V and index-key pages of every layer; :meth:`call` binds one forward call's slots and tables."""
 
-    def __init__(self, c: M3Config, kv_caches: dict, tile: int, dtype: torch.dtype):
-        self.config, self.tile = c, tile
+    def __init__(self, c: M3Config, kv_caches: dict, tile: int, dtype: torch.dtype,
+                 split: ops.QuerySplit | None = None):
+        self.config, self.tile, self.split = c, tile, split
         self.k, self.v, self.ik = {}, {}, {}
         for i in range(c.num_layers):
             names = [attention_spec(i)] + ([index_spec(i)] if c.sparse_layers[i] else [])
@@ -78,4 +81,4 @@ class Call:
         q_pos = positions.to(torch.int64)
         return ops.attention_step(q, Pages(cache.k[layer], self.table), Pages(cache.v[layer], self.table), None,
                                   q_pos, q_pos[:, 0], 0, ops.Alone(), cache.config.softmax_scale, sel, iq, ik_line,
-                                  tile=cache.tile)
+                                  tile=cache.tile, split=cache.split)
