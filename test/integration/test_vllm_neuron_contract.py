@@ -119,9 +119,9 @@ def test_start_up_refusals_name_the_option(tiny_ckpt):
         MiniMaxM3ForCausalLM.from_configs(_hf_config(tiny_ckpt, architectures=["LlamaForCausalLM"]), nc)
     with pytest.raises(ServingError, match="--dtype bfloat16"):
         MiniMaxM3ForCausalLM.from_configs(_hf_config(tiny_ckpt), SimpleNamespace(torch_dtype=torch.float16))
-    with pytest.raises(ServingError, match="leave on_device_sampling_config unset"):
+    with pytest.raises(ServingError, match="on_device_sampling_config.sampling_dp_degree 2"):
         MiniMaxM3ForCausalLM.from_configs(_hf_config(tiny_ckpt), SimpleNamespace(
-            torch_dtype=torch.float32, on_device_sampling_config=object()))
+            torch_dtype=torch.float32, on_device_sampling_config={"sampling_dp_degree": 2}))
     m = MiniMaxM3ForCausalLM.from_configs(_hf_config(tiny_ckpt), nc)
     caches = {s.name: [torch.zeros(4, s.num_kv_heads, 32, s.head_size)] * 2 for s in m.get_kv_spec().layers}
     with pytest.raises(ServingError, match="--block-size 16"):
