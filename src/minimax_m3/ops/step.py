@@ -99,8 +99,8 @@ class QuerySplit:
     ``index`` of them selects the blocks of queries ``[index * T / parts, (index + 1) * T / parts)`` only, and
     ``gather(ids [B, H, T / parts, K]) -> [B, H, T, K]`` (one all-gather, parts in order) hands every one of them
     the whole call's selection. Exact: each query's selection is what it would have been. The step takes it for a
-    call of at least ``parts`` tokens per row, a multiple of them, whose keys are all in the caches (a prefill
-    segment over pages); a decode or verify step selects whole."""
+    call of at least ``parts`` tokens per row, a multiple of them, whose keys are all in the caches; the vLLM Neuron
+    model hands it to prefill segments only (a decode or verify step selects whole)."""
 
     parts: int
     index: int

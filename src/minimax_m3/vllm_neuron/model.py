@@ -190,7 +190,9 @@ class MiniMaxM3ForCausalLM(nn.Module):
         b, t = table.shape[0], input_ids.shape[0]
         if t % b:
             raise ServingError(f"{t} tokens do not split into the block table's {b} rows")
-        call = self.cache.call(meta["slot_mapping"].reshape(-1), table)
+        # the runner's rule (a segment of a prompt: more tokens per row than a decode or verify step carries)
+        prefill = meta.get("max_query_len", t // b) > meta.get("decode_token_threshold", 1)
+        call = self.cache.call(meta["slot_mapping"].reshape(-1), table, prefill)
         ids, pos = input_ids.view(b, t // b).long(), positions.view(b, t // b).long()
         x, kept = self.m3.backbone(ids, pos, call, 0, False, self.aux_layers or None)
         x = x.reshape(t, -1)

@@ -49,10 +49,12 @@ class PagedCache:
             if c.sparse_layers[i]:
                 self.ik[i] = tuple(kv_caches[names[1]])
 
-    def call(self, slots: torch.Tensor, table: torch.Tensor) -> Call:
+    def call(self, slots: torch.Tensor, table: torch.Tensor, prefill: bool = False) -> Call:
         """The caches as one forward call sees them: ``slots [T]`` (flat tokens, row-major; negative: padding) and
-        the rows' block tables ``table [B, W]`` (a new object per call, no state kept: the call is captured whole)."""
-        return Call(self, slots, table)
+        the rows' block tables ``table [B, W]`` (a new object per call, no state kept: the call is captured whole);
+        ``prefill``: a prompt segment (the runner's ``max_query_len > decode_token_threshold``), whose selection the
+        ranks of a KV head split (decode and verify steps select whole)."""
+        return Call(self, slots, table, self.split if prefill else None)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Call:
     cache: PagedCache
     slots: torch.Tensor
     table: torch.Tensor
+    split: ops.QuerySplit | None = None
 
     def attend(self, layer: int, q, k, v, iq, ik, positions: torch.Tensor, kv_len, decode, sel, paths):
         """Layer ``layer``'s attention ``[B, Hq, S, D]`` for ``S`` tokens per row at ``positions [B, S]``: write the
@@ -81,4 +84,4 @@ class Call:
         q_pos = positions.to(torch.int64)
         return ops.attention_step(q, Pages(cache.k[layer], self.table), Pages(cache.v[layer], self.table), None,
                                   q_pos, q_pos[:, 0], 0, ops.Alone(), cache.config.softmax_scale, sel, iq, ik_line,
-                                  tile=cache.tile, split=cache.split)
+                                  tile=cache.tile, split=self.split)
