@@ -52,6 +52,15 @@ def largest_batch(c: M3Config, tp: int, ep: int, seq: int, limit: int = BATCH_LI
     return _largest(lambda b: plan(c, tp, ep, b, seq, **kw).fits, 1, 1, limit)
 
 
+def _alternative(c: M3Config, tp: int, ep: int, batch: int, seq: int, option: str, kw: dict) -> str:
+    """What ``option`` (the plan keywords ``kw``) would give instead: that it fits, else its largest context and
+    batch."""
+    if plan(c, tp, ep, batch, seq, **kw).fits:
+        return f"with {option}: it fits"
+    return (f"with {option}: largest context at batch {batch} {largest_context(c, tp, ep, batch, **kw)} tokens, "
+            f"largest batch at {seq} tokens {largest_batch(c, tp, ep, seq, **kw)}")
+
+
 def require_fit(c: M3Config, tp: int, ep: int, batch: int, seq: int, **kw) -> MemoryPlan:
     """The plan of ``batch`` x ``seq`` (``kw`` as :func:`plan`) when it fits; else one :class:`FitError` with the
     numbers and the largest context (at ``batch``) and batch (at ``seq``) that fit. A chunk the layout cannot use
@@ -73,16 +82,10 @@ def require_fit(c: M3Config, tp: int, ep: int, batch: int, seq: int, **kw) -> Me
     ]
     if p.decode_experts == "tp" or ep > 1 and p.layout != "paged":  # the other choice of how decode reads experts
         other = "ep" if p.decode_experts == "tp" else "tp"
-        alt = {**kw, "decode_experts": other}
-        ctx2, bat2 = largest_context(c, tp, ep, batch, **alt), largest_batch(c, tp, ep, seq, **alt)
-        fits2 = plan(c, tp, ep, batch, seq, **alt).fits
-        problems.append(f"with --decode-experts {other}: " + ("it fits" if fits2 else
-                        f"largest context at batch {batch} {ctx2} tokens, largest batch at {seq} tokens {bat2}"))
+        problems.append(_alternative(c, tp, ep, batch, seq, f"--decode-experts {other}",
+                                     {**kw, "decode_experts": other}))
     if p.layout in KV_LAYOUTS:  # the port's other cache layout (the engine spec's kv_layout)
         other = KV_LAYOUTS[1 - KV_LAYOUTS.index(p.layout)]
-        alt = {**kw, "layout": other, "chunk": None}
-        ctx2, bat2 = largest_context(c, tp, ep, batch, **alt), largest_batch(c, tp, ep, seq, **alt)
-        fits2 = plan(c, tp, ep, batch, seq, **alt).fits
-        problems.append(f"with --kv-layout {other}: " + ("it fits" if fits2 else
-                        f"largest context at batch {batch} {ctx2} tokens, largest batch at {seq} tokens {bat2}"))
+        problems.append(_alternative(c, tp, ep, batch, seq, f"--kv-layout {other}",
+                                     {**kw, "layout": other, "chunk": None}))
     raise FitError(problems, ctx, bat)
