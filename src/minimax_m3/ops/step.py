@@ -106,8 +106,14 @@ class QuerySplit:
     index: int
     gather: object  # Callable[[torch.Tensor], torch.Tensor]
 
+    @staticmethod
+    def splits(t: int, parts: int) -> bool:
+        """Whether a call of ``t`` tokens per row splits over ``parts`` ranks (the planner counts its all-gather by
+        this rule too)."""
+        return parts > 1 and t >= parts and t % parts == 0
+
     def applies(self, t: int, act) -> bool:
-        return self.parts > 1 and act is None and t >= self.parts and t % self.parts == 0
+        return act is None and self.splits(t, self.parts)
 
 
 class Alone:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..config import parallel
 from ..config.m3 import M3Config
-from ..ops.step import ONE_GATHER_TOKENS
+from ..ops.step import ONE_GATHER_TOKENS, QuerySplit
 from .memory import (BF16, FP32, HBM_BYTES_PER_S, PAGED, PORT_LAYOUT, PlanError, _heads, cache_tokens,
                      prefill_tile, weight_bytes)
 
@@ -279,7 +279,7 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
         rows.append(dict(name="partial outputs + max + sum", kind="all-to-all", ranks=g, dtype="fp32",
                          bytes=tokens * qg * (d + 2) * FP32, count=grouped))
     paged = layout == PAGED
-    if paged and phase == "prefill" and g > 1 and tokens >= g and tokens % g == 0:
+    if paged and phase == "prefill" and QuerySplit.splits(tokens, g):
         # a segment's index selection split by query over the g ranks holding a KV head (ops.QuerySplit): one
         # all-gather of the int64 block ids [T / g, K] per sparse layer, over the TP group
         rows.append(dict(name="selection ids (queries split over a KV head's ranks)", kind="all-gather", ranks=tp,

@@ -232,22 +232,16 @@ def lower(model: MiniMaxM3ForCausalLM, b: Bucket) -> Lowered:
 
     extra = ["sampling_params"] if "sampling_params" in args else []  # on-device sampling: the runner's tensor
 
-    def call(input_ids, positions, slots, table, sampling_positions, more, tensors):
-        w = {f"m3.{k}": t for k, t in zip(weights, tensors[:n_w])}
-        it = iter(tensors[n_w:])
-        model.bind_kv_cache({name: [next(it), next(it)] for name in specs})
-        meta = {attention_spec(i): dict(md, slot_mapping=slots, block_table_tensor=table)
-                for i in range(c.num_layers)}
-        return torch.func.functional_call(model, w, (input_ids, positions), dict(
-            attn_metadata=meta, sampling_positions=sampling_positions, **dict(zip(extra, more))))
-
     class Forward(torch.nn.Module):  # the model is a closure, not a submodule: its weights stay arguments
         def forward(self, input_ids, positions, slots, table, sampling_positions, *tensors):
-            return call(input_ids, positions, slots, table, sampling_positions, (), tensors)
-
-    class SampledForward(torch.nn.Module):
-        def forward(self, input_ids, positions, slots, table, sampling_positions, sampling_params, *tensors):
-            return call(input_ids, positions, slots, table, sampling_positions, (sampling_params,), tensors)
+            more, tensors = tensors[:len(extra)], tensors[len(extra):]  # the forward's own inputs come first
+            w = {f"m3.{k}": t for k, t in zip(weights, tensors[:n_w])}
+            it = iter(tensors[n_w:])
+            model.bind_kv_cache({name: [next(it), next(it)] for name in specs})
+            meta = {attention_spec(i): dict(md, slot_mapping=slots, block_table_tensor=table)
+                    for i in range(c.num_layers)}
+            return torch.func.functional_call(model, w, (input_ids, positions), dict(
+                attn_metadata=meta, sampling_positions=sampling_positions, **dict(zip(extra, more))))
 
     user = (args["input_ids"], args["positions"], md["slot_mapping"], md["block_table_tensor"],
             args["sampling_positions"], *(args[k] for k in extra), *weights.values(), *pages)
@@ -256,7 +250,7 @@ def lower(model: MiniMaxM3ForCausalLM, b: Bucket) -> Lowered:
     roles = ["input"] * (5 + len(extra)) + ["weight"] * n_w + ["state"] * len(pages)
     try:
         with torch.no_grad():
-            ep = torch.export.export(SampledForward() if extra else Forward(), user, strict=True)
+            ep = torch.export.export(Forward(), user, strict=True)
         from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
         _mark_collectives(ep.graph_module)
