@@ -1,5 +1,6 @@
 """The vLLM Neuron model's registration: only under vLLM Neuron 1.x (recognised by its files, never imported), by
-name in vLLM's ModelRegistry for both MiniMax-M3 architectures."""
+name in vLLM's ModelRegistry for both MiniMax-M3 architectures and the EAGLE3 draft (under the name the plugin's
+proposer looks up: ``Eagle3`` + the draft checkpoint's ``LlamaForCausalLMEagle3``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import sys
 from types import SimpleNamespace
 
 from minimax_m3.vllm_neuron import plugin
+from minimax_m3.config.draft import DraftConfig
 from minimax_m3.vllm_neuron.contract import ARCHITECTURES
+from minimax_m3.vllm_neuron.eagle3 import MiniMaxM3Eagle3Draft
 from minimax_m3.vllm_neuron.model import MiniMaxM3ForCausalLM
 
 
@@ -32,8 +35,17 @@ def test_registers_both_architectures_under_the_1x_plugin(tmp_path, monkeypatch)
     _plugin_tree(tmp_path, monkeypatch, one_x=True)
     added = _fake_vllm(monkeypatch)
     plugin.register()
-    assert added == dict.fromkeys(ARCHITECTURES, plugin.FACTORY)
-    assert plugin.models() == dict.fromkeys(ARCHITECTURES, MiniMaxM3ForCausalLM)
+    assert added == {**dict.fromkeys(ARCHITECTURES, plugin.FACTORY), plugin.DRAFT_ARCHITECTURE: plugin.DRAFT_FACTORY}
+    assert plugin.models() == {**dict.fromkeys(ARCHITECTURES, MiniMaxM3ForCausalLM),
+                               plugin.DRAFT_ARCHITECTURE: MiniMaxM3Eagle3Draft}
+
+
+def test_the_draft_name_is_the_proposers_lookup_of_this_packages_drafts():
+    """The plugin's ``EagleProposer`` (ed3580d) prefixes ``Eagle3`` to an architecture that does not start with it;
+    this package's drafts are written (and read) as ``LlamaForCausalLMEagle3``."""
+    (arch,) = DraftConfig(hidden_size=8, num_heads=1, num_kv_heads=1, head_dim=8, intermediate_size=16, vocab_size=32,
+                          draft_vocab_size=16, target_hidden_size=8).to_dict()["architectures"]
+    assert plugin.DRAFT_ARCHITECTURE == (arch if arch.startswith("Eagle3") else f"Eagle3{arch}")
 
 
 def test_leaves_vllm_alone_without_it(tmp_path, monkeypatch):

@@ -67,6 +67,15 @@ class DraftCache:
         view.k, view.v = self.k[r:r + 1], self.v[r:r + 1]  # views: writes land in the whole cache
         return view
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Write ``k, v [B, kv, T, d]`` at ``positions [B, T]``, then each query of ``q [B, heads, T, d]`` attends to
+        the slots ``<=`` its position."""
+        ops.write_positions(self.k, k, positions, seq_dim=2)
+        ops.write_positions(self.v, v, positions, seq_dim=2)
+        end = int(positions.max()) + 1
+        return ops.masked_attention(q, self.k[:, :, :end], self.v[:, :, :end], ops.causal_keep(positions, end), scale)
+
 
 class Eagle3Draft(nn.Module):
     """One EAGLE3 draft layer with its fc, norms, embedding and lm_head (module docstring)."""
@@ -99,10 +108,11 @@ class Eagle3Draft(nn.Module):
         return self.fc(states)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: DraftCache):
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache):
         """``ids, positions [B, T]``, ``hidden [B, T, H]`` → (float32 logits ``[B, T, vocab]`` over the TARGET
-        vocabulary (-inf where the draft cannot propose), the pre-norm output ``[B, T, H]``). Writes K/V at
-        ``positions``, then each query attends to the cache slots ``<=`` its position."""
+        vocabulary (-inf where the draft cannot propose), the pre-norm output ``[B, T, H]``). ``cache.attend`` writes
+        K/V at ``positions`` and lets each query attend to the entries ``<=`` its position (:class:`DraftCache`, or
+        vLLM's pages: ``minimax_m3.vllm_neuron.eagle3``)."""
         dc = self.dc
         b, t = ids.shape
         embeds = self._norm(self.embed_tokens(ids), self.input_layernorm)
@@ -114,11 +124,7 @@ class Eagle3Draft(nn.Module):
         v = self.v_proj(x).view(b, t, dc.num_kv_heads, dc.head_dim).transpose(1, 2)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq, q.dtype)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        ops.write_positions(cache.k, k, positions, seq_dim=2)
-        ops.write_positions(cache.v, v, positions, seq_dim=2)
-        end = int(positions.max()) + 1
-        keep = ops.causal_keep(positions, end)
-        a = ops.masked_attention(q, cache.k[:, :, :end], cache.v[:, :, :end], keep, dc.head_dim ** -0.5)
+        a = cache.attend(q, k, v, positions, dc.head_dim ** -0.5)
         residual = residual + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
         m = self._norm(residual, self.post_attention_layernorm)
         out = residual + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))

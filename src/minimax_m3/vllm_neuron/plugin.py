@@ -21,12 +21,21 @@ from .contract import ARCHITECTURES
 log = logging.getLogger(__name__)
 
 FACTORY = "minimax_m3.vllm_neuron.model:MiniMaxM3ForCausalLM"
+# the EAGLE3 draft, under the name the plugin's proposer looks up for this package's drafts (``Eagle3`` + the draft
+# checkpoint's ``LlamaForCausalLMEagle3``: ``vllm_neuron/vllm/spec_decode/eagle.py`` at ed3580d)
+DRAFT_ARCHITECTURE = "Eagle3LlamaForCausalLMEagle3"
+DRAFT_FACTORY = "minimax_m3.vllm_neuron.eagle3:MiniMaxM3Eagle3Draft"
+
+
+def _load(path: str) -> type:
+    mod, name = path.split(":")
+    return getattr(importlib.import_module(mod), name)
 
 
 def models() -> dict[str, type]:
-    """``{architecture: factory class}`` for every MiniMax-M3 architecture this model serves."""
-    mod, name = FACTORY.split(":")
-    return dict.fromkeys(ARCHITECTURES, getattr(importlib.import_module(mod), name))
+    """``{architecture: factory class}`` for every MiniMax-M3 architecture this model serves, and its EAGLE3
+    draft's."""
+    return {**dict.fromkeys(ARCHITECTURES, _load(FACTORY)), DRAFT_ARCHITECTURE: _load(DRAFT_FACTORY)}
 
 
 def plugin_1x_installed() -> bool:
@@ -49,3 +58,4 @@ def register() -> None:
 
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, FACTORY)
+    ModelRegistry.register_model(DRAFT_ARCHITECTURE, DRAFT_FACTORY)
