@@ -99,5 +99,43 @@ def test_config_problems_name_the_field():
 
     c = M3Config.preset("tiny")
     check_serving(c, None, Layout(dtype=torch.float32), NC())  # served
-    with pytest.raises(ServingError, match="--speculative-config"):
-        check_serving(c, None, Layout(dtype=torch.float32), NC(), speculative=True)
+    NC.on_device_sampling_config = {"capture_topk": True}
+    with pytest.raises(ServingError, match="capture_topk"):
+        check_serving(c, None, Layout(dtype=torch.float32), NC())
+
+
+def _onehot_logits(best: list[int], vocab: int = 5) -> torch.Tensor:
+    x = torch.zeros(len(best), vocab)
+    x[torch.arange(len(best)), torch.tensor(best)] = 8.0
+    return x
+
+
+def test_verify_keeps_the_drafts_equal_to_the_targets_choices():
+    """Greedy rows (temperature 0), k = 3, by hand: the target's argmax after each token of ``[last, d1, d2, d3]``;
+    row 0 accepts 2 drafts then takes the target's token, row 1 all 3 then the bonus, row 2 none; row 3's second
+    draft equals the target's choice but the runner padded that slot (not real): not accepted."""
+    best = [[1, 2, 3, 4], [0, 1, 2, 3], [4, 4, 4, 4], [2, 3, 0, 0]]
+    tokens = torch.tensor([[9, 1, 2, 0], [9, 0, 1, 2], [9, 3, 4, 4], [9, 2, 3, 0]])
+    real = torch.ones(4, 4, dtype=torch.bool)
+    real[3, 2:] = False
+    logits = _onehot_logits(sum(best, []))
+    out, last = sampling.verify(logits, tokens, real, torch.zeros(4, 3), sampling.OnDeviceSampling())
+    assert out.tolist() == [[1, 2, 3, -1], [0, 1, 2, 3], [4, -1, -1, -1], [2, 3, -1, -1]]
+    assert last.tolist() == [3, 3, 4, 3] and out.dtype == last.dtype == torch.int32
+
+
+def test_verify_samples_each_position_from_the_targets_distribution():
+    """Temperature 1, k = 1, a 5-token vocabulary: the first emitted token is the target's draw at position 0
+    (accepted draft or not), so it follows the target's softmax there whatever the draft (20,000 rows within 5σ of
+    the hand probabilities); the draft (token 0) is accepted exactly when the draw hits it."""
+    rows = 20000
+    logits = torch.tensor([LOGITS, [0.0] * 5]).repeat(rows, 1)
+    tokens = torch.tensor([[7, 0]]).repeat(rows, 1)
+    params = _row(-1, 1.0, 1.0).expand(rows, 3)
+    out, last = sampling.verify(logits, tokens, torch.ones(rows, 2, dtype=torch.bool), params,
+                                sampling.OnDeviceSampling())
+    p = torch.softmax(torch.tensor(LOGITS), -1)
+    freq = torch.bincount(out[:, 0].long(), minlength=5).float() / rows
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / rows).sqrt()).all(), (freq, p)
+    accepted = out[:, 1] >= 0
+    assert torch.equal(accepted, out[:, 0] == 0) and torch.equal(last, torch.where(accepted, out[:, 1], out[:, 0]))

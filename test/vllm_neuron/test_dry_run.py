@@ -155,13 +155,16 @@ def test_on_device_sampling_graphs_end_in_the_draw(report, tmp_path):
     """``--on-device-sampling`` (the plugin's default): every graph takes the runner's ``sampling_params`` (f32
     ``[rows, 3]``, the sixth input) and returns the drawn ids (i32 ``[rows]``) beside the logits, through one
     ``stablehlo.rng`` (a uniform per row) and the candidates' sort; the weights, cache reads and collectives of each
-    decode graph are the host-sampling build's."""
+    decode graph are the host-sampling build's. A ``1 + k`` verify graph decides the step on the device: it draws
+    at every token and returns the kept tokens (i32 ``[rows, 1 + k]``), the logits at every token and the last
+    kept token (i32 ``[rows]``)."""
     from minimax_m3.checkpoint.synthetic import write_synthetic
 
     host_out, host, _ = report
     ckpt = write_synthetic(tmp_path / "tiny", "tiny", seed=0)
     out = tmp_path / "ods"
-    r = _dry_run(ckpt, out, "--prefill-chunk", "512", "--batch", "2", "--on-device-sampling")
+    r = _dry_run(ckpt, out, "--prefill-chunk", "512", "--batch", "2", "--speculative-tokens", "2",
+                 "--on-device-sampling")
     assert r.returncode == 0, r.stderr[-3000:]
     man = json.loads((out / "dry_run.json").read_text())
     assert man["on_device_sampling"] is True
@@ -174,7 +177,14 @@ def test_on_device_sampling_graphs_end_in_the_draw(report, tmp_path):
         assert text.count('"stablehlo.rng"') == 1
         assert f"tensor<{rows}x3xf32>" in text.split('"func.return"')[0]
         results = text.split('"func.return"')[-1].split(") -> ()")[0]
-        assert results.rstrip().endswith(f"tensor<{rows}xi32>, tensor<{rows}x512xf32>"), results[-200:]
+        if g["submodel"] == "speculation_model":
+            assert f"tensor<{rows * 3}x3xf32>" in text  # each row's parameters on each of its tokens
+            assert results.rstrip().endswith(f"tensor<{rows}x3xi32>, tensor<{rows * 3}x512xf32>, tensor<{rows}xi32>"), \
+                results[-200:]
+        else:
+            assert results.rstrip().endswith(f"tensor<{rows}xi32>, tensor<{rows}x512xf32>"), results[-200:]
+    assert {g["submodel"] for g in man["graphs"]} == {"context_encoding_model", "token_generation_model",
+                                                      "speculation_model"}
     hosted = {(g["submodel"], g["batch"]): g for g in host["graphs"]}
     for g in rep["graphs"]:
         if g["submodel"] != "token_generation_model":

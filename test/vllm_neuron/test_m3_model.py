@@ -18,7 +18,7 @@ pytest.importorskip("m3_vneuron_harness", reason="the harness plugin is not inst
 
 import torch  # noqa: E402
 
-from test.vllm_neuron.test_harness import drive, forwards_of  # noqa: E402
+from test.vllm_neuron.test_harness import drive, ext, forwards_of  # noqa: E402
 
 BLOCK = 16  # the tiny preset's index block: the page size
 MODELS = "minimax_m3.vllm_neuron.plugin:models"
@@ -287,3 +287,125 @@ def test_tensor_parallel_2_one_kv_head_split_selection(tmp_path):
         assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
     assert any(r["kind"] == "prefill" and r["input_ids_shape"][0] == 2 * BLOCK
                for r in records if r["event"] == "forward")
+
+
+def _sequences(records, reqs) -> dict[int, tuple[str, list[int], list[int]]]:
+    """Per ``drafts`` event of the trace (by its index): (request, its tokens up to the last sampled one, the
+    drafts proposed after it)."""
+    seqs = {r["id"]: list(r["prompt"]) for r in reqs}
+    out = {}
+    for i, rec in enumerate(records):
+        if rec["event"] == "sampled":
+            for rid, toks in rec["tokens"].items():
+                seqs[ext(rid)] += toks
+        elif rec["event"] == "drafts":
+            for rid, drafts in rec["drafts"].items():
+                out[(i, rid)] = (ext(rid), list(seqs[ext(rid)]), drafts)
+    return out
+
+
+def test_eagle3_speculative_config_equals_plain_greedy(m3, tmp_path):
+    """``--speculative-config '{"method": "eagle3", "model": DRAFT, "num_speculative_tokens": 3}'`` with the
+    synthetic EAGLE3 draft (``minimax-m3 synth --draft eagle3``), batched, a prefix hit and 32-token segments on:
+    vLLM's scheduler schedules each request's last token and its drafts, the harness runs them as one verify forward
+    (``1 + k`` tokens a row, the plugin's verify graph) and the target's tokens are the reference's plain greedy
+    ones. The drafts each step proposes equal the reference drafter's (``reference.eagle3.Eagle3Drafter`` over the
+    reference target's states of the same tokens, float32), so the draft under vLLM is the same draft."""
+    import json
+
+    from minimax_m3.checkpoint.draft import write_synthetic_draft
+    from minimax_m3.config import M3Config
+    from minimax_m3.reference.eagle3 import load_drafter
+
+    path, ref = m3
+    draft = write_synthetic_draft(tmp_path / "draft", M3Config.from_pretrained(path), seed=1)
+    long = _ids(70, 81)
+    reqs = [{"id": "p", "prompt": long, "max_tokens": 10, "arrive": 0},
+            {"id": "q", "prompt": long[:48] + _ids(7, 82), "max_tokens": 8, "arrive": 3},
+            {"id": "r", "prompt": _ids(21, 83), "max_tokens": 8, "arrive": 3}]
+    engine = dict(ENGINE, speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+    (tmp_path / "run").mkdir()
+    out, records = drive(tmp_path / "run", path, engine, reqs, env={"M3_VNEURON_MODELS": MODELS})
+    for r in reqs:
+        assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
+    verify = [r for r in records if r["event"] == "forward" and r["kind"] == "verify"]
+    assert verify and all(r["input_ids_shape"][0] in (4, 8, 16) and r["max_query_len"] == 4 for r in verify)
+    drafter = load_drafter(draft, ref.model)
+    checked = 0
+    for rid, seq, drafts in list(_sequences(records, reqs).values())[:8]:
+        n = len(seq) - 1  # the target states of positions 0 .. n - 1; the token at n is the last sampled
+        cache = ref.model.new_cache(1, n + 8)
+        _, states = ref.model(torch.tensor([seq[:n]]), torch.arange(n).unsqueeze(0), cache, n, decode=False,
+                              hidden_at=drafter.aux_layers)
+        drafter.reset(1, n + 8)
+        drafter.extend(0, 0, states[0], seq[1:n])
+        want = drafter.propose(0, seq[n], n, 3, lambda j, x: int(x.argmax()))
+        assert drafts == want, (rid, n, json.dumps(drafts), want)
+        checked += 1
+    assert checked == 8
+
+
+@pytest.mark.parametrize("sampling,compiled", [("host", False), ("device", False), ("device", True)],
+                         ids=["host", "on-device", "on-device-compiled"])
+def test_accepted_drafts_give_several_tokens_a_step_and_the_same_tokens(m3, tmp_path, sampling, compiled):
+    """A scripted draft (``test/support/vllm_neuron/scripted_draft.py``) proposes the target's own greedy
+    continuation where a pattern says so and another token elsewhere, for one request (``s``) while another
+    (``t``, off the script: every draft rejected) decodes beside it. vLLM's scheduler then rolls back the rejected
+    drafts each step, the pages they were written to are written again before any query reads them, and: both
+    requests' tokens are the reference's; ``s`` gets, step by step, exactly the tokens a hand count of the pattern
+    gives (accepted drafts + 1), fewer steps than tokens. With on-device sampling the model decides a verify step
+    itself (``sampling.verify``: ``(tokens [rows, 1 + k], states, logits, last)``, the plugin's ODS + EAGLE3 return)
+    and the runner takes its tokens; compiled as the plugin compiles (``aot_eager``, fullgraph, every bucket warmed:
+    with drafts each batch bucket also as a ``1 + k`` verify graph, then no recompile), the same."""
+    import json
+    import shutil
+
+    from minimax_m3.checkpoint.draft import write_synthetic_draft
+    from minimax_m3.config import M3Config
+
+    path, ref = m3
+    k, n = 3, 14
+    prompt = _ids(40, 91)
+    agree = [False, True, True, True, True, False, True, False, False, True, True, True, True, True, True, True,
+             True, True, True, True]
+    draft = write_synthetic_draft(tmp_path / "draft", M3Config.from_pretrained(path), seed=1)
+    gold = reference_greedy(ref, prompt, n + k + 2)
+    (draft / "script.json").write_text(json.dumps({"sequence": prompt + gold, "prompt_len": len(prompt),
+                                                   "agree": agree}))
+    expected, g = [1], 0  # tokens per step: the prefill's, then accepted drafts + the target's next
+    while g + 1 < n:
+        a = next((j for j in range(k) if not agree[g + 1 + j]), k)
+        expected.append(a + 1)
+        g += a + 1
+    reqs = [{"id": "s", "prompt": prompt, "max_tokens": n, "arrive": 0},
+            {"id": "t", "prompt": _ids(30, 92), "max_tokens": 8, "arrive": 0}]
+    engine = dict(ENGINE, speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
+    if sampling == "device":
+        engine["additional_config"] = {"neuron_config": {"on_device_sampling_config": {}}}
+    (tmp_path / "run").mkdir()
+    env = {"M3_VNEURON_MODELS": f"{MODELS},test.support.vllm_neuron.scripted_draft:MODELS"}
+    out, records = drive(tmp_path / "run", path, engine, reqs,
+                         env={**env, "M3_VNEURON_COMPILE": "aot_eager"} if compiled else env)
+    shutil.rmtree(draft)
+    assert out["tokens"]["s"] == gold[:n]
+    assert out["tokens"]["t"] == reference_greedy(ref, reqs[1]["prompt"], 8)
+    per_step = [len(r["tokens"][rid]) for r in records if r["event"] == "sampled"
+                for rid in r["tokens"] if ext(rid) == "s" and r["tokens"][rid]]
+    assert per_step == expected, (per_step, expected)
+    assert sum(per_step) >= n > len(per_step)
+
+
+def test_a_draft_for_another_target_is_refused_at_start_up(m3, tmp_path):
+    """An EAGLE3 draft whose widths do not fit the served target fails vLLM's start-up with the draft checker's one
+    error (``checkpoint.draft.DraftError``: every problem, naming the field), before any request."""
+    from minimax_m3.checkpoint.draft import write_synthetic_draft
+    from minimax_m3.config import M3Config
+
+    path, _ = m3
+    other = M3Config.from_pretrained(path).replace(hidden_size=96)
+    draft = write_synthetic_draft(tmp_path / "draft", other, seed=1)
+    engine = dict(ENGINE, speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2})
+    (tmp_path / "run").mkdir()
+    with pytest.raises(AssertionError, match="(?s)EAGLE3 draft .*1 problem.*the target's hidden_size is 128"):
+        drive(tmp_path / "run", path, engine, [{"id": "x", "prompt": _ids(20, 93), "max_tokens": 2, "arrive": 0}],
+              env={"M3_VNEURON_MODELS": MODELS})

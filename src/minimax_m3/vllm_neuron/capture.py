@@ -63,10 +63,20 @@ class Capture:
                                                              "reduce_scatter_tensor", "all_to_all_single")}
 
 
+@dataclass(frozen=True)
+class SpecDecode:
+    """A verify step's ``spec_decode_metadata`` as the model reads it (given or not; the drafts are the call's
+    tokens): the runner passes vLLM's ``SpecDecodeMetadata``."""
+
+    drafts: int
+
+
 def inputs(model: MiniMaxM3ForCausalLM, b: Bucket, start: int = 0, seed: int = 0) -> dict:
     """The forward's arguments for bucket ``b``, laid out as the runner lays them out: flat ``input_ids`` (int32) and
     ``positions``, one ``attn_metadata`` dict under every layer's name (slots from the block table, padding 0),
-    ``sampling_positions`` at each row's last token, and with on-device sampling ``sampling_params``. ``start``: the
+    ``sampling_positions`` at each row's last token (a verify step's: at every token, with ``spec_decode_metadata``
+    set, which makes an on-device-sampling model decide the step), and with on-device sampling ``sampling_params``.
+    ``start``: the
     first position (a prefill segment after cached tokens, or each decode row's position); ``seed`` shuffles the
     pages (other block tables, same shapes)."""
     c = model.config
@@ -78,9 +88,11 @@ def inputs(model: MiniMaxM3ForCausalLM, b: Bucket, start: int = 0, seed: int = 0
     slots = pages.gather(1, pos // bs) * bs + pos % bs
     md = {"slot_mapping": slots.reshape(-1), "block_table_tensor": pages.to(torch.int32), "block_size": bs,
           "max_query_len": per, "decode_token_threshold": per if b.kind == "decode" else 1}
+    verify = b.kind == "decode" and per > 1
     out = dict(input_ids=torch.randint(3, c.vocab_size, (rows * per,), generator=gen, dtype=torch.int32),
                positions=pos.reshape(-1), attn_metadata={attention_spec(i): md for i in range(c.num_layers)},
-               sampling_positions=torch.arange(rows) * per + per - 1)
+               sampling_positions=torch.arange(rows * per) if verify else torch.arange(rows) * per + per - 1,
+               spec_decode_metadata=SpecDecode(per - 1) if verify else None)
     if model.ods is not None:  # the runner's (top_k, top_p, temperature) per row (:mod:`.sampling`)
         out["sampling_params"] = torch.tensor([[50.0, 0.9, 0.8]]).expand(rows, 3).contiguous()
     return out
@@ -241,7 +253,8 @@ def lower(model: MiniMaxM3ForCausalLM, b: Bucket) -> Lowered:
             meta = {attention_spec(i): dict(md, slot_mapping=slots, block_table_tensor=table)
                     for i in range(c.num_layers)}
             return torch.func.functional_call(model, w, (input_ids, positions), dict(
-                attn_metadata=meta, sampling_positions=sampling_positions, **dict(zip(extra, more))))
+                attn_metadata=meta, sampling_positions=sampling_positions,
+                spec_decode_metadata=args["spec_decode_metadata"], **dict(zip(extra, more))))
 
     user = (args["input_ids"], args["positions"], md["slot_mapping"], md["block_table_tensor"],
             args["sampling_positions"], *(args[k] for k in extra), *weights.values(), *pages)

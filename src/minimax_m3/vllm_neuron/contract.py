@@ -71,15 +71,10 @@ class Layout:
     group: object = field(default=None, compare=False, repr=False)
 
 
-def check_serving(c: M3Config, hf_config, layout: Layout, neuron_config=None, speculative: bool = False) -> None:
-    """Every reason this deployment cannot be served, in one :class:`ServingError` naming the option to change
-    (``speculative``: vLLM runs a draft, ``--speculative-config``)."""
+def check_serving(c: M3Config, hf_config, layout: Layout, neuron_config=None) -> None:
+    """Every reason this deployment cannot be served, in one :class:`ServingError` naming the option to change."""
     problems = []
     problems += sampling.config_problems(getattr(neuron_config, "on_device_sampling_config", None))
-    if getattr(neuron_config, "on_device_sampling_config", None) is not None and speculative:
-        problems.append("on_device_sampling_config with --speculative-config: this model does not run the rejection "
-                        "sampler on the device yet; set neuron_config.on_device_sampling_config to null (host "
-                        "sampling) in --additional-config")
     archs = tuple(getattr(hf_config, "architectures", None) or ())
     if archs and not set(archs) & set(ARCHITECTURES):
         problems.append(f"architectures {list(archs)}: this model serves {' or '.join(ARCHITECTURES)}")

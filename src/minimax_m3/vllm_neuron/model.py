@@ -11,7 +11,9 @@ is the pattern; ``docs/notes/vllm_neuron_runner.md`` cites the runner):
   of ``T / B`` tokens each (``B`` = the block table's rows: one prompt segment, or a batch of decode / verify steps),
   returns float32 logits ``[len(sampling_positions), vocab]`` for vLLM's sampler, or with on-device sampling (the
   plugin's default, ``neuron_config.on_device_sampling_config``; :mod:`.sampling`) ``(token ids int32, logits)``
-  drawn per the runner's ``sampling_params`` and ``logit_mask``.
+  drawn per the runner's ``sampling_params`` and ``logit_mask``; with an EAGLE3 draft the target states come second,
+  and a verify step (``spec_decode_metadata`` given) runs the rejection here: ``(tokens [rows, 1 + k] with -1 after
+  the last, states, logits, last token [rows])`` (``sampling.verify``).
 
 The layers are the reference model's (:class:`minimax_m3.reference.model.M3Model`: the same parameters, TP/EP
 slicing and math); only the cache differs. Parallel layout: query heads over the TP ranks, KV heads split or
@@ -51,16 +53,6 @@ def _tp_group() -> tuple[int, int, object]:
     return g.world_size, g.rank_in_group, (g.device_group if g.world_size > 1 else None)
 
 
-def _speculative() -> bool:
-    """Whether vLLM runs a draft (``--speculative-config``) where vLLM is running."""
-    try:
-        from vllm.config import get_current_vllm_config
-
-        return get_current_vllm_config().speculative_config is not None
-    except Exception:  # no vLLM, or no config set
-        return False
-
-
 def _dtype(hf_config, neuron_config) -> torch.dtype:
     """The serving dtype: vLLM's ``--dtype`` (its current model config, which the KV caches follow too) where vLLM
     is running, else the neuron config's, else the checkpoint's."""
@@ -98,7 +90,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
         world, rank, group = _tp_group()
         ep = getattr(neuron_config, "ep_degree", None) or 1
         check_serving(c, hf_config, Layout(world=world, rank=rank, ep=ep, group=group,
-                                           dtype=_dtype(hf_config, neuron_config)), neuron_config, _speculative())
+                                           dtype=_dtype(hf_config, neuron_config)), neuron_config)
         layout = Layout(world=world, rank=rank, ep=ep, dtype=_dtype(hf_config, neuron_config),
                         tile=getattr(neuron_config, "attention_tile", None) or 256, group=group,
                         experts=QUANTIZATION[getattr(neuron_config, "quantization", None)])
@@ -202,6 +194,11 @@ class MiniMaxM3ForCausalLM(nn.Module):
         states = (torch.cat(kept, dim=-1).reshape(t, -1),) if self.aux_layers else ()
         if self.ods is None:  # host sampling: vLLM's sampler reads the logits
             return (logits, *states) if states else logits
+        if spec_decode_metadata is not None and not prefill and t // b > 1:  # a verify step: the rejection here
+            real = meta["slot_mapping"].reshape(b, t // b) >= int(meta["block_size"])  # page 0: the runner's padding
+            tokens, last = sampling.verify(logits, input_ids.view(b, t // b), real, sampling_params, self.ods,
+                                           logit_mask)
+            return (tokens, *states, logits, last)
         tokens = sampling.sample(logits, sampling_params, self.ods, logit_mask)
         return (tokens, *states, logits)
 

@@ -93,4 +93,32 @@ def sample(logits: torch.Tensor, sampling_params: torch.Tensor | None, cfg: OnDe
     return ids.gather(-1, idx[:, None]).squeeze(-1).to(torch.int32)
 
 
-__all__ = ["GREEDY_BELOW", "OnDeviceSampling", "config", "config_problems", "sample"]
+def verify(logits: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor, sampling_params: torch.Tensor | None,
+           cfg: OnDeviceSampling, logit_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify step's tokens on the device, ``(sampled int32 [rows, 1 + k]`` — the accepted drafts and the target's
+    token after them, ``-1`` after it — ``, the last of them int32 [rows])``: the plugin's ODS + EAGLE3 return.
+
+    ``tokens [rows, 1 + k]``: each row's last token and its drafts; ``logits [rows * (1 + k), vocab]`` at each of them;
+    ``real`` (bool, like ``tokens``): False where the runner padded a draft slot. The rule is
+    ``engine.speculative.verify_chosen``'s, vectorised: the target chooses its own token at every position
+    (:func:`sample`, the request's ``sampling_params`` row and ``logit_mask`` row on each of its tokens), and the
+    drafts equal to those choices are kept up to the first that is not; so every emitted token is the one plain
+    decoding chooses there (greedy: plain greedy's token for token; sampled: plain sampling's distribution, each
+    position drawn once)."""
+    rows, k1 = tokens.shape
+
+    def each_token(x):  # a row's tensor on each of its tokens (expand + reshape: what torch-mlir lowers)
+        return x[:, None].expand(rows, k1, *x.shape[1:]).reshape(rows * k1, *x.shape[1:])
+
+    per_token = None if sampling_params is None else each_token(sampling_params)
+    mask = logit_mask if logit_mask is None or logit_mask.shape[0] != rows else each_token(logit_mask)
+    chosen = sample(logits, per_token, cfg, mask).view(rows, k1).to(torch.int64)
+    agree = (chosen[:, :-1] == tokens[:, 1:].to(torch.int64)) & real[:, 1:]
+    run = torch.arange(1, k1, device=logits.device).view(1, k1 - 1)
+    accepted = (agree.to(torch.int64).cumsum(dim=1) == run).sum(dim=1)  # drafts kept: up to the first disagreement
+    keep = torch.arange(k1, device=logits.device).view(1, k1) <= accepted.view(rows, 1)
+    out = torch.where(keep, chosen, torch.full_like(chosen, -1)).to(torch.int32)
+    return out, chosen.gather(1, accepted.view(rows, 1)).view(rows).to(torch.int32)
+
+
+__all__ = ["GREEDY_BELOW", "OnDeviceSampling", "config", "config_problems", "sample", "verify"]

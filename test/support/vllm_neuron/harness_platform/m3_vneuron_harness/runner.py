@@ -4,6 +4,9 @@ forward calls out, host sampling by vLLM's own sampler (or, with ``on_device_sam
 Each forward gets what ``NeuronModelRunner`` (jinhuang12/vllm-neuron @ ed3580d; ``R@N`` = the character offset of
 the page of ``vllm_neuron/vllm/worker/neuron_model_runner.py`` where it is, see ``contract.py``) would give it:
 
+* with ``--speculative-config`` (EAGLE3, :mod:`.speculative`), a decode step whose requests carry drafts is one
+  verify forward of ``1 + k`` tokens a row (logits at every token), and after every forward the draft proposes
+  (the plugin's ``EagleProposer.propose``, E@); the drafts go to vLLM's scheduler through ``take_draft_token_ids``;
 * one forward per prefill request (the Neuron scheduler admits one prefill at a time and never mixes prefill with
   decode, S@16000/S@32000), its tokens padded to a token bucket; one forward for all decode requests, padded to a
   batch bucket. vLLM's own scheduler (used here unmodified) mixes them in one step, so a step is split: the decode
@@ -33,6 +36,7 @@ import json
 import logging
 import os
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,11 +52,12 @@ log = logging.getLogger(__name__)
 class Forward:
     """One call of ``model.forward``: its kind, its requests (batch order), and the kwargs it got."""
 
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "verify"
     req_ids: list[str]
     num_tokens: list[int]  # real tokens per request
     first_positions: list[int]
     kwargs: dict = field(default_factory=dict)
+    drafts: list[list[int]] = field(default_factory=list)  # a verify step's drafts per request
 
 
 class HarnessRunner:
@@ -66,8 +71,10 @@ class HarnessRunner:
         self.neuron_config = contract.resolve_neuron_config(vllm_config)
         self.max_num_batched_tokens = max(vllm_config.scheduler_config.max_num_batched_tokens,
                                           self.neuron_config.harness_notes["max_num_batched_tokens"])
-        if vllm_config.speculative_config is not None:
-            raise NotImplementedError("speculative decoding is not run by the harness yet (docs/notes)")
+        self.spec = vllm_config.speculative_config
+        self.k = int(self.spec.num_speculative_tokens) if self.spec is not None else 0  # drafts per verify step
+        self.proposer = None  # the EAGLE3 draft (.speculative), built by load_model
+        self._drafts = None  # DraftTokenIds for the scheduler, after each step
         hf = self.model_config.hf_config
         self.vocab_size = getattr(getattr(hf, "text_config", hf), "vocab_size", None) or hf.vocab_size
         self.model = None
@@ -106,6 +113,11 @@ class HarnessRunner:
             model = factory.from_configs(self.model_config.hf_config, self.neuron_config)
         model.load_weights(self.model_config.model, self.device, self.vllm_config.load_config.download_dir)
         self.model = model.to(self.device)
+        if self.spec is not None:  # R@48000: the draft, and the target's taps (the draft's ids, else the model's)
+            from .speculative import Proposer
+
+            self.proposer = Proposer(self.vllm_config, self.device, registry)
+            model.set_aux_hidden_state_layers(self.proposer.aux_layers or model.get_eagle3_aux_hidden_state_layers())
         backend = os.environ.get("M3_VNEURON_COMPILE", "")
         if backend:  # R@64000: torch.compile(fullgraph) — recompiles after warm-up are errors
             torch._dynamo.config.cache_size_limit = 1 << 20
@@ -129,7 +141,10 @@ class HarnessRunner:
 
         block_size, dtype = self.cache_config.block_size, self.kv_cache_dtype()
         specs = {}
-        for layer in self.model.get_kv_spec().layers:
+        layers = list(self.model.get_kv_spec().layers)
+        if self.proposer is not None:  # the draft's layers beside the target's (one group: E@)
+            layers += list(self.proposer.model.get_kv_spec().layers)
+        for layer in layers:
             if layer.sliding_window_size is None:
                 specs[layer.name] = FullAttentionSpec(
                     block_size=block_size, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size, dtype=dtype,
@@ -181,6 +196,9 @@ class HarnessRunner:
                 caches[name] = [typed[0], typed[1]]
                 self.layer_group[name] = gi
         self.model.bind_kv_cache(caches)
+        if self.proposer is not None:
+            self.proposer.check_group(self.layer_group)
+            self.proposer.model.bind_kv_cache(caches)
         self.kv_caches = caches
         self._trace({"event": "kv_cache", "num_blocks": kv_cache_config.num_blocks, "groups": [
             {"spec": type(g.kv_cache_spec).__name__, "block_size": g.kv_cache_spec.block_size,
@@ -302,7 +320,7 @@ class HarnessRunner:
                 "max_query_len": int(max_query_len),
                 "block_size": int(bs),
                 "max_blocks_per_seq": int(table.shape[1]),
-                "decode_token_threshold": 1,  # 1 + max_num_draft_tokens (R@176000); no drafts here
+                "decode_token_threshold": 1 + self.k,  # 1 + max_num_draft_tokens (R@176000)
                 "cached_seq_len": torch.tensor([[cached_seq_len]], dtype=torch.int32, device=self.device),
                 "kv_segment_size": int(kv_segment_size),
                 "full_block_table_tensor": full.to(self.device),
@@ -384,22 +402,61 @@ class HarnessRunner:
                       spec_decode_metadata=None, rank=self.rank_tensor, logit_mask=self._logit_mask(padded))
         return Forward("decode", rids, [1] * k, computed, kwargs)
 
+    def _verify(self, rows: list[int], rids: list[str], drafts: list[list[int]]) -> Forward:
+        """A decode batch with drafts (R@128000/R@144000 ``_build_spec_decode_metadata``, padded to the batch bucket):
+        each request's last token and its drafts, ``1 + k`` tokens a row (a request with fewer drafts padded with id
+        0 at the null slot), ``max_query_len`` = ``decode_token_threshold`` = ``1 + k``, logits at every token."""
+        from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+        ib = self.input_batch
+        k1, n = 1 + self.k, len(rows)
+        padded = bucket_for(n, self.neuron_config.num_seqs_buckets)
+        computed = [int(ib.num_computed_tokens_cpu[r]) for r in rows]
+        groups = len(ib.block_table.block_tables)
+        ids, pos, slots = [], [], [[] for _ in range(groups)]
+        for r, c, d in zip(rows, computed, drafts):
+            real = 1 + len(d)
+            ids += [int(ib.token_ids_cpu[r, c])] + list(d) + [0] * (k1 - real)
+            pos += list(range(c, c + k1))
+            for g, got in enumerate(self._slots(r, np.arange(c, c + real, dtype=np.int64))):
+                slots[g].append(np.concatenate([got, np.full(k1 - real, NULL_BLOCK_ID, dtype=np.int64)]))
+        for g in range(groups):
+            slots[g].append(np.full((padded - n) * k1, NULL_BLOCK_ID, dtype=np.int64))
+        ids += [0] * ((padded - n) * k1)
+        pos += [0] * ((padded - n) * k1)
+        slots = [np.concatenate(s) for s in slots]
+        meta = self._metadata(self._group_rows(rows, padded), slots, k1, max(computed), decode=True, ctx_len=computed)
+        kwargs = dict(input_ids=torch.tensor(ids, dtype=torch.int32, device=self.device),
+                      positions=torch.tensor(pos, dtype=torch.int64, device=self.device), attn_metadata=meta,
+                      sampling_positions=torch.arange(padded * k1, dtype=torch.int64, device=self.device),
+                      sampling_params=self._sampling_params(rids, padded),
+                      spec_decode_metadata=SpecDecodeMetadata.make_dummy(drafts, self.device),
+                      rank=self.rank_tensor, logit_mask=self._logit_mask(padded))
+        return Forward("verify", rids, [1 + len(d) for d in drafts], computed, kwargs, [list(d) for d in drafts])
+
     def _plan(self, so) -> list[tuple[Forward, list[int]]]:
         ib = self.input_batch
-        decode_rows, decode_ids, prefills = [], [], []
+        decode_rows, decode_ids, decode_drafts, prefills = [], [], [], []
+        spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
         for rid, n in so.num_scheduled_tokens.items():  # scheduling order
             row = ib.req_id_to_index[rid]
             st = self.requests[rid]
-            if ib.num_computed_tokens_cpu[row] < st.num_prompt_tokens or n > 1:
-                prefills.append((row, rid, n))  # R@288000 _is_decode_row; n > 1 past the prompt: a resumed request
+            drafts = list(spec.get(rid, ()))
+            if ib.num_computed_tokens_cpu[row] < st.num_prompt_tokens or n > 1 + len(drafts):
+                prefills.append((row, rid, n))  # R@288000 _is_decode_row; more past the prompt: a resumed request
             else:
                 decode_rows.append(row)
                 decode_ids.append(rid)
+                decode_drafts.append(drafts)
         plan = []
         if decode_rows:
             order = sorted(range(len(decode_rows)), key=lambda i: decode_rows[i])  # batch order
             rows = [decode_rows[i] for i in order]
-            plan.append((self._decode(rows, [decode_ids[i] for i in order]), rows))
+            rids = [decode_ids[i] for i in order]
+            if all(decode_drafts):  # R@320000 _local_step_forces_nonspec: a request without drafts strips the step
+                plan.append((self._verify(rows, rids, [decode_drafts[i] for i in order]), rows))
+            else:
+                plan.append((self._decode(rows, rids), rows))
         for row, rid, n in prefills:
             plan.append((self._prefill(row, rid, n), [row]))
         return plan
@@ -416,22 +473,27 @@ class HarnessRunner:
         logits = torch.empty(self.input_batch.num_reqs, self.vocab_size, dtype=torch.float32)
         ods = self.neuron_config.on_device_sampling_config is not None
         drawn = torch.full((self.input_batch.num_reqs,), -1, dtype=torch.int64)
+        verified, ran = {}, []  # a verify row's logits at each token (or its tokens); (forward, rows, target states)
         for fwd, rows in self._plan(so):
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = self._callable()(**fwd.kwargs)
-            if ods:  # R@352000: (sampled ids, logits) from the model; the logits serve logprobs only
-                if not (isinstance(out, tuple) and len(out) == 2 and out[0].dtype == torch.int32):
-                    raise RuntimeError("on-device sampling: the model must return (sampled int32 [rows], logits)")
-                ids, out = out
-                drawn[rows] = ids[: len(rows)].to(torch.int64).cpu()
-            elif isinstance(out, tuple):
-                raise NotImplementedError("the model returned a tuple: EAGLE3 taps are not served; host sampling "
-                                          "wants logits [rows, vocab]")
+            ids, out, states = self._outputs(out, fwd, ods)
             if out.shape[0] != fwd.kwargs["sampling_positions"].shape[0]:
                 raise RuntimeError(f"model returned {tuple(out.shape)} logits for "
                                    f"{fwd.kwargs['sampling_positions'].shape[0]} sampling positions")
+            if fwd.kind == "verify":
+                k1 = 1 + self.k
+                for i, (rid, n) in enumerate(zip(fwd.req_ids, fwd.num_tokens)):
+                    if ids is not None:  # decided on the device: the accepted drafts and the bonus, -1 after
+                        verified[rid] = [t for t in ids[i].tolist() if t >= 0]
+                    else:  # the host's rejection step decides from the logits at each token
+                        verified[rid] = out[i * k1:i * k1 + n].to(torch.float32).cpu()
+                out = out[::k1]  # each row's first token: what the host sampler sees for it
+            elif ids is not None:
+                drawn[rows] = ids[: len(rows)].to(torch.int64).cpu()
             logits[rows] = out[: len(rows)].to(torch.float32).cpu()
+            ran.append((fwd, rows, states))
             self.forward_count += 1
             for rid, n in zip(fwd.req_ids, fwd.num_tokens):
                 self.token_counts[rid] = self.token_counts.get(rid, 0) + n
@@ -443,8 +505,27 @@ class HarnessRunner:
                 "block_table_shape": list(m0["block_table_tensor"].shape),
                 "max_query_len": m0["max_query_len"], "cached_seq_len": int(m0["cached_seq_len"].item()),
                 "kv_segment_size": m0["kv_segment_size"], "seconds": round(time.perf_counter() - t0, 4)})
-        self._pending = (so, logits, drawn if ods else None)
+        self._pending = (so, logits, drawn if ods else None, verified, ran)
         return None
+
+    def _outputs(self, out, fwd: Forward, ods: bool):
+        """R@320000, what the model returned: ``(sampled ids or None, logits, EAGLE3 target states or None)``.
+        Host sampling: logits, or ``(logits, states)`` with a draft. On-device sampling: ``(ids, logits)``, with a
+        draft ``(ids, states, logits)``, and in a verify step ``(tokens [rows, 1 + k], states, logits, last)``."""
+        draft = self.proposer is not None
+        if not ods:
+            if not draft:
+                if isinstance(out, tuple):
+                    raise RuntimeError("host sampling wants logits [rows, vocab], not a tuple")
+                return None, out, None
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise RuntimeError("with a draft the model must return (logits, target states) (R@320000)")
+            return None, out[0], out[1]
+        want = 2 if not draft else (4 if fwd.kind == "verify" else 3)
+        if not (isinstance(out, tuple) and len(out) == want and out[0].dtype == torch.int32):
+            raise RuntimeError(f"on-device sampling: the model must return {want} outputs, sampled int32 ids first "
+                               "(R@320000)")
+        return (out[0], out[1], None) if want == 2 else (out[0], out[2], out[1])
 
     def sample_tokens(self, grammar_output):
         """vLLM's sampler over the logits in batch order (the plugin's CPU-sampling path, R@352000 ``_sample``); the
@@ -454,9 +535,11 @@ class HarnessRunner:
 
         if self._pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        so, logits, drawn = self._pending
+        so, logits, drawn, verified, ran = self._pending
         self._pending = None
         ib = self.input_batch
+        if verified and (ib.sampling_metadata.max_num_logprobs or grammar_output is not None):
+            raise NotImplementedError("the harness runs no logprobs or structured outputs with drafts")
         if grammar_output is not None and grammar_output.grammar_bitmask is not None:
             from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
@@ -472,19 +555,69 @@ class HarnessRunner:
             if ib.num_computed_tokens_cpu[i] + so.num_scheduled_tokens[rid] < st.num_tokens:
                 tokens.append([])  # a chunk of a prompt: its sample is discarded
                 continue
-            tok = int(sampled[i])
-            tokens.append([tok])
-            end = int(ib.num_tokens_no_spec[i])
-            ib.token_ids_cpu[i, end] = tok
-            ib.is_token_ids[i, end] = True
-            ib.num_tokens_no_spec[i] = end + 1
-            st.output_token_ids.append(tok)
+            if rid in verified and isinstance(verified[rid], list):  # decided on the device
+                new = verified[rid]
+            elif rid in verified:  # the drafts the target accepts, then its token after them
+                from .speculative import accept
+
+                sp, first = st.sampling_params, int(ib.num_computed_tokens_cpu[i]) + 1
+                seed = sp.seed if sp.seed is not None else zlib.crc32(rid.encode())
+                new = accept(verified[rid], list(so.scheduled_spec_decode_tokens[rid]), sp, seed, first)
+            else:
+                new = [int(sampled[i])]
+            tokens.append(new)
+            for tok in new:
+                end = int(ib.num_tokens_no_spec[i])
+                ib.token_ids_cpu[i, end] = tok
+                ib.is_token_ids[i, end] = True
+                ib.num_tokens_no_spec[i] = end + 1
+                st.output_token_ids.append(tok)
         self._trace({"step": self.step, "event": "sampled",
                      "tokens": {rid: t for rid, t in zip(req_ids, tokens)}})
+        if self.proposer is not None:
+            self._propose(ran, tokens, req_ids)
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index=dict(ib.req_id_to_index), sampled_token_ids=tokens,
             logprobs=out.logprobs_tensors.tolists() if out is not None and out.logprobs_tensors is not None else None,
             prompt_logprobs_dict={}, pooler_output=[])
+
+    # ------------------------------------------------------------ drafts
+    def _propose(self, ran: list, tokens: list[list[int]], req_ids: list[str]) -> None:
+        """E@ ``propose`` after each target forward: the draft writes its entries for the forward's tokens (a prompt
+        chunk's too, whose last entry reads the prompt's next token) and drafts for every request that got tokens
+        (``take_draft_token_ids`` hands them to the scheduler)."""
+        ib, k1 = self.input_batch, 1 + self.k
+        out: dict[str, list[int]] = {}
+        for fwd, rows, states in ran:
+            padded = fwd.kwargs["sampling_positions"].shape[0]
+            if fwd.kind == "prefill":  # the token after the segment: the sampled one, or the prompt's next
+                raw = [[int(ib.token_ids_cpu[rows[0], fwd.first_positions[0] + fwd.num_tokens[0]])]]
+                last = [fwd.num_tokens[0] - 1]
+            elif fwd.kind == "decode":
+                raw = [[int(ib.token_ids_cpu[r, p + 1])] for r, p in zip(rows, fwd.first_positions)]
+                raw += [[0]] * (padded - len(rows))
+                last = list(range(padded))
+            else:  # verify: the row's tokens (accepted drafts, bonus), -1 after them
+                padded //= k1
+                raw = [tokens[r] + [-1] * (k1 - len(tokens[r])) for r in rows]
+                raw += [[0] + [-1] * self.k] * (padded - len(rows))
+                last = [i * k1 + self.k for i in range(padded)]
+            _, drafts = self.proposer.propose(fwd.kwargs, states, torch.tensor(last, device=self.device),
+                                              torch.tensor(raw, dtype=torch.int32, device=self.device))
+            for j, r in enumerate(rows):
+                if tokens[r]:
+                    out[req_ids[r]] = drafts[j].tolist()
+        self._drafts = out or None
+        self._trace({"step": self.step, "event": "drafts", "drafts": out})
+
+    def take_draft_token_ids(self):
+        """The last step's drafts for vLLM's scheduler (``DraftTokenIds``), once."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        drafts, self._drafts = self._drafts, None
+        if not drafts:
+            return None
+        return DraftTokenIds(req_ids=list(drafts), draft_token_ids=list(drafts.values()))
 
     # ------------------------------------------------------------ warm-up
     def warm_up(self) -> float:
@@ -498,6 +631,8 @@ class HarnessRunner:
         nc = self.neuron_config
         jobs = [self._synthetic(t, 1, prefill=True) for t in nc.num_batched_tokens_buckets]
         jobs += [self._synthetic(b, b, prefill=False) for b in nc.num_seqs_buckets]
+        if self.k:  # R@64000: with drafts, each batch bucket also as a 1 + k verify graph
+            jobs += [self._synthetic(b * (1 + self.k), b, prefill=False) for b in nc.num_seqs_buckets]
         for kwargs in jobs:  # inputs built outside inference mode, as at run time (dynamo guards on it)
             with torch.inference_mode():
                 self.compiled(**kwargs)
@@ -528,8 +663,17 @@ class HarnessRunner:
         ods = None if self.neuron_config.on_device_sampling_config is None else \
             torch.tensor([[0.0, 1.0, 1.0]]).expand(rows, 3).contiguous()  # W@64000's warm-up row, per row
         return dict(input_ids=ids, positions=pos, attn_metadata=meta, sampling_positions=sample,
-                    sampling_params=ods, spec_decode_metadata=None, rank=self.rank_tensor,
+                    sampling_params=ods, spec_decode_metadata=self._dummy_spec(tokens // reqs, reqs, prefill),
+                    rank=self.rank_tensor,
                     logit_mask=self._logit_mask(rows))
+
+    def _dummy_spec(self, per_row: int, reqs: int, prefill: bool):
+        """A verify graph's warm-up ``spec_decode_metadata`` (k drafts a row), None elsewhere."""
+        if prefill or per_row == 1:
+            return None
+        from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+        return SpecDecodeMetadata.make_dummy([[1] * (per_row - 1)] * reqs, self.device)
 
     # -------------------------------------------------------------- trace
     def _trace(self, record: dict) -> None:

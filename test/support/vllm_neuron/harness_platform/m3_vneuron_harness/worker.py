@@ -71,7 +71,7 @@ class HarnessWorker(WorkerBase):
         return self.model_runner.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self):
-        return None
+        return self.model_runner.take_draft_token_ids()
 
     def execute_dummy_batch(self) -> None:
         pass
