@@ -159,13 +159,21 @@ def test_vllm_serve_answers_completions_and_chat_completions(m3, tmp_path):
         assert choice["token_ids"] == reference_greedy(ref, chat["prompt_token_ids"], 6)
 
 
-def test_tensor_parallel_2_one_kv_head_per_rank(m3, tmp_path):
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "eagle3"])
+def test_tensor_parallel_2_one_kv_head_per_rank(m3, tmp_path, draft):
     """tensor_parallel_size 2 (vLLM's multiprocess executor, a gloo group of two CPU workers): each rank holds 4 of
     the 8 query heads, one of the 2 KV heads (its pages [N, 1, 16, 32]) and half the vocabulary; the model's
-    collectives run on vLLM's TP group. Prefix caching and 32-token segments on; tokens = the reference's."""
+    collectives run on vLLM's TP group. Prefix caching and 32-token segments on; tokens = the reference's. With the
+    synthetic EAGLE3 draft (whole on each rank) the verify steps run on the split heads: the same tokens."""
     path, ref = m3
     engine = dict(ENGINE, max_num_seqs=2, num_gpu_blocks_override=64, tensor_parallel_size=2,
                   distributed_executor_backend="mp")
+    if draft:
+        from minimax_m3.checkpoint.draft import write_synthetic_draft
+        from minimax_m3.config import M3Config
+
+        d = write_synthetic_draft(tmp_path / "draft", M3Config.from_pretrained(path), seed=1)
+        engine["speculative_config"] = {"method": "eagle3", "model": str(d), "num_speculative_tokens": 2}
     reqs = [{"id": "x", "prompt": _ids(70, 31), "max_tokens": 6, "arrive": 0},
             {"id": "y", "prompt": _ids(40, 32), "max_tokens": 6, "arrive": 2}]
     env = {"M3_VNEURON_MODELS": MODELS, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
@@ -175,6 +183,7 @@ def test_tensor_parallel_2_one_kv_head_per_rank(m3, tmp_path):
         assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
     (kv,) = [r for r in records if r["event"] == "kv_cache"][:1]
     assert kv["groups"][0]["layers"]["layers.1.self_attn"] == [kv["num_blocks"], 1, BLOCK, 32]
+    assert draft == any(r["event"] == "forward" and r["kind"] == "verify" for r in records)
 
 
 @pytest.mark.parametrize("sampling", ["host", "on device"])
