@@ -1,7 +1,8 @@
 """MiniMax-M3's vLLM Neuron model served to agents on vLLM 0.24 (the stack of Neuron >= 2.34), end to end: ``vllm
 serve`` on the harness platform with vLLM's own ``minimax_m3`` tool-call and reasoning parsers, M3's chat template,
-HTTP; structured outputs applied as the plugin's runner applies them (vLLM's grammar on the logits the model
-returns, host sampling: the model samples nothing on device).
+HTTP; structured outputs applied as the plugin's runner applies them: with host sampling vLLM's grammar on the logits
+the model returns; with on-device sampling (the plugin's default) the grammar rows passed into the forward as its
+``logit_mask`` (the runner's ``_get_grammar_bitmask``), the model drawing within them.
 
 Oracle: the scripted checkpoint (``test/support/scripted.py``): every token predicts a fixed successor, so the
 greedy reply is the script written there by hand — thinking, answer, tool call. The same file's tests on vLLM 0.13
@@ -28,8 +29,8 @@ UNIT = {"type": "object", "properties": {"unit": {"type": "string", "enum": ["Ce
         "required": ["unit"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["host", "on-device"])
+def server(tmp_path_factory, request):
     from test.support.scripted import write_scripted
     from test.vllm_neuron.test_harness import REPO
 
@@ -43,6 +44,9 @@ def server(tmp_path_factory):
            "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m3", "--reasoning-parser", "minimax_m3",
            # a scripted model has no preference among a grammar's tokens: whitespace could otherwise run forever
            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+    if request.param == "on-device":
+        cmd += ["--additional-config", json.dumps({"neuron_config": {"on_device_sampling_config": {},
+                                                                     "enable_structured_outputs": True}})]
     with serving(cmd, port, env, tmp_path_factory.mktemp("log") / "serve.log", cwd=REPO):
         yield f"http://127.0.0.1:{port}/v1"
 

@@ -113,10 +113,6 @@ def resolve_neuron_config(vllm_config) -> HarnessNeuronConfig:
     if ods is not None and not isinstance(ods, dict):
         raise ValueError(f"on_device_sampling_config must be a dict of OnDeviceSamplingConfig fields or null, got "
                          f"{ods!r}")
-    if ods is not None and nc.get("enable_structured_outputs"):
-        # vLLM 0.24 hands the grammar to sample_tokens, after execute_model: the harness cannot pass it into the
-        # forward as the plugin's logit_mask (how the plugin orders them was not read)
-        raise NotImplementedError("structured outputs with on-device sampling are not run by the harness")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         raise NotImplementedError("decode context parallelism is not run by the harness (one rank)")
     cfg = HarnessNeuronConfig(

@@ -129,12 +129,24 @@ class ForwardInputs:
                 meta[name] = m
         return meta
 
-    def _logit_mask(self, rows: int):
+    def _logit_mask(self, rows: int, rids: list[str] | tuple[str, ...] = ()):
         """R@160000 ``_build_noop_logit_mask``: None unless structured outputs are enabled; the CPU-sampling path
-        applies the grammar to the returned logits (R@240000)."""
+        applies the grammar to the returned logits (R@240000); with on-device sampling the requests ``rids`` (batch
+        order, one row each) take their grammar rows from the scheduler's compact bitmask (R@240000
+        ``_get_grammar_bitmask``, :mod:`.scheduler`: packed int32, bit ``t % 32`` of word ``t // 32`` allows token
+        ``t``), every other row all True."""
         if not self.neuron_config.enable_structured_outputs:
             return None
-        return torch.ones(rows, self.vocab_size, dtype=torch.bool, device=self.device)
+        mask = torch.ones(rows, self.vocab_size, dtype=torch.bool)
+        so = getattr(self, "_scheduled", None)
+        packed = getattr(so, "_grammar_bitmask", None)
+        if packed is not None and self.neuron_config.on_device_sampling_config is not None:
+            index = {r: i for i, r in enumerate(so._structured_output_request_ids)}
+            for j, rid in enumerate(rids):
+                if rid in index:
+                    words = torch.from_numpy(np.asarray(packed[index[rid]], dtype=np.int32)).to(torch.int64)
+                    mask[j] = ((words[:, None] >> torch.arange(32)) & 1).bool().reshape(-1)[: self.vocab_size]
+        return mask.to(self.device)
 
     def _sampling_params(self, rids: list[str], rows: int):
         """R@0 ``build_sampling_params_tensor``: None without on-device sampling; else float32 ``[rows, 3]`` =
@@ -171,7 +183,7 @@ class ForwardInputs:
         kwargs = dict(input_ids=ids.to(self.device), positions=pos.to(self.device), attn_metadata=meta,
                       sampling_positions=torch.tensor([n - 1], dtype=torch.int64, device=self.device),
                       sampling_params=self._sampling_params([rid], 1), spec_decode_metadata=None,
-                      rank=self.rank_tensor, logit_mask=self._logit_mask(1))
+                      rank=self.rank_tensor, logit_mask=self._logit_mask(1, [rid]))
         return Forward("prefill", [rid], [n], [computed], kwargs)
 
     def _decode(self, rows: list[int], rids: list[str]) -> Forward:
@@ -197,7 +209,7 @@ class ForwardInputs:
         meta = self._metadata(self._group_rows(rows, padded), slots, 1, max(computed), decode=True, ctx_len=computed)
         kwargs = dict(input_ids=ids.to(self.device), positions=pos.to(self.device), attn_metadata=meta,
                       sampling_positions=sample.to(self.device), sampling_params=self._sampling_params(rids, padded),
-                      spec_decode_metadata=None, rank=self.rank_tensor, logit_mask=self._logit_mask(padded))
+                      spec_decode_metadata=None, rank=self.rank_tensor, logit_mask=self._logit_mask(padded, rids))
         return Forward("decode", rids, [1] * k, computed, kwargs)
 
     def _verify(self, rows: list[int], rids: list[str], drafts: list[list[int]]) -> Forward:

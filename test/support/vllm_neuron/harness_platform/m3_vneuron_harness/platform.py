@@ -28,6 +28,8 @@ class HarnessPlatform(CpuPlatform):
         from vllm.config import CompilationMode
 
         vllm_config.compilation_config.mode = CompilationMode.NONE  # the model is not a vLLM model
+        # the grammar bitmask on the scheduler's output before the forward, where the plugin's runner reads it
+        vllm_config.scheduler_config.scheduler_cls = "m3_vneuron_harness.scheduler.GrammarFirstScheduler"
         if vllm_config.parallel_config.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             vllm_config.parallel_config.worker_cls = WORKER
 

@@ -224,6 +224,7 @@ class HarnessRunner(ForwardInputs):
     # ----------------------------------------------------------- execute
     def execute_model(self, so):
         self.step += 1
+        self._scheduled = so  # the step's scheduler output (its grammar bitmask: inputs._logit_mask)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
