@@ -164,7 +164,9 @@ def test_tensor_parallel_2_one_kv_head_per_rank(m3, tmp_path, draft):
     """tensor_parallel_size 2 (vLLM's multiprocess executor, a gloo group of two CPU workers): each rank holds 4 of
     the 8 query heads, one of the 2 KV heads (its pages [N, 1, 16, 32]) and half the vocabulary; the model's
     collectives run on vLLM's TP group. Prefix caching and 32-token segments on; tokens = the reference's. With the
-    synthetic EAGLE3 draft (whole on each rank) the verify steps run on the split heads: the same tokens."""
+    synthetic EAGLE3 draft, split over the two ranks too (``vllm_neuron.eagle3.shard_draft_``: 2 of its 4 heads and
+    their K/V pages, half its MLP and draft vocabulary per rank), the verify steps run on the split heads: the same
+    tokens, and every step's drafts equal the reference drafter's (one rank, float32)."""
     path, ref = m3
     engine = dict(ENGINE, max_num_seqs=2, num_gpu_blocks_override=64, tensor_parallel_size=2,
                   distributed_executor_backend="mp")
@@ -184,6 +186,11 @@ def test_tensor_parallel_2_one_kv_head_per_rank(m3, tmp_path, draft):
     (kv,) = [r for r in records if r["event"] == "kv_cache"][:1]
     assert kv["groups"][0]["layers"]["layers.1.self_attn"] == [kv["num_blocks"], 1, BLOCK, 32]
     assert draft == any(r["event"] == "forward" and r["kind"] == "verify" for r in records)
+    if draft:
+        loaded = [r for r in records if r["event"] == "draft"]
+        assert len(loaded) == 2 and all(r["sharded"] and r["kv_spec"] == [["layers.4.self_attn", 2, 32]]
+                                        for r in loaded), loaded
+        _assert_reference_drafts(records, reqs, d, ref, 2, events=6)
 
 
 @pytest.mark.parametrize("sampling", ["host", "on device"])
@@ -300,10 +307,12 @@ def test_tensor_parallel_2_one_kv_head_split_selection(tmp_path):
 
 def _sequences(records, reqs) -> dict[int, tuple[str, list[int], list[int]]]:
     """Per ``drafts`` event of the trace (by its index): (request, its tokens up to the last sampled one, the
-    drafts proposed after it)."""
+    drafts proposed after it); rank 0's records (every rank of a TP group traces)."""
     seqs = {r["id"]: list(r["prompt"]) for r in reqs}
     out = {}
     for i, rec in enumerate(records):
+        if rec.get("rank", 0):
+            continue
         if rec["event"] == "sampled":
             for rid, toks in rec["tokens"].items():
                 seqs[ext(rid)] += toks
@@ -320,11 +329,8 @@ def test_eagle3_speculative_config_equals_plain_greedy(m3, tmp_path):
     (``1 + k`` tokens a row, the plugin's verify graph) and the target's tokens are the reference's plain greedy
     ones. The drafts each step proposes equal the reference drafter's (``reference.eagle3.Eagle3Drafter`` over the
     reference target's states of the same tokens, float32), so the draft under vLLM is the same draft."""
-    import json
-
     from minimax_m3.checkpoint.draft import write_synthetic_draft
     from minimax_m3.config import M3Config
-    from minimax_m3.reference.eagle3 import load_drafter
 
     path, ref = m3
     draft = write_synthetic_draft(tmp_path / "draft", M3Config.from_pretrained(path), seed=1)
@@ -339,19 +345,29 @@ def test_eagle3_speculative_config_equals_plain_greedy(m3, tmp_path):
         assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
     verify = [r for r in records if r["event"] == "forward" and r["kind"] == "verify"]
     assert verify and all(r["input_ids_shape"][0] in (4, 8, 16) and r["max_query_len"] == 4 for r in verify)
+    _assert_reference_drafts(records, reqs, draft, ref, 3, events=8)
+
+
+def _assert_reference_drafts(records, reqs, draft, ref, k: int, events: int) -> None:
+    """The first ``events`` drafts of the trace against the reference drafter's over the reference target's states
+    of the same tokens (one rank, float32)."""
+    import json
+
+    from minimax_m3.reference.eagle3 import load_drafter
+
     drafter = load_drafter(draft, ref.model)
     checked = 0
-    for rid, seq, drafts in list(_sequences(records, reqs).values())[:8]:
+    for rid, seq, drafts in list(_sequences(records, reqs).values())[:events]:
         n = len(seq) - 1  # the target states of positions 0 .. n - 1; the token at n is the last sampled
         cache = ref.model.new_cache(1, n + 8)
         _, states = ref.model(torch.tensor([seq[:n]]), torch.arange(n).unsqueeze(0), cache, n, decode=False,
                               hidden_at=drafter.aux_layers)
         drafter.reset(1, n + 8)
         drafter.extend(0, 0, states[0], seq[1:n])
-        want = drafter.propose(0, seq[n], n, 3, lambda j, x: int(x.argmax()))
+        want = drafter.propose(0, seq[n], n, k, lambda j, x: int(x.argmax()))
         assert drafts == want, (rid, n, json.dumps(drafts), want)
         checked += 1
-    assert checked == 8
+    assert checked == events
 
 
 @pytest.mark.parametrize("sampling,compiled", [("host", False), ("device", False), ("device", True)],

@@ -72,9 +72,9 @@ def format_itl(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY
     at = f"at batch {p.batch}, {p.seq} tokens"
     line = f"decode ITL estimate {at}: {plain.total_s * 1e3:.2f} ms per step = {_itl(plain, latency_s)}"
     if p.layout not in KV_LAYOUTS:
-        return [line, "decode ITL estimate, fused EAGLE3 step: not covered for the paged layout (vLLM Neuron drafts "
-                      "in a separate EagleProposer call and this model samples on the host; planner/speculative.py "
-                      "models NxDI's fused step)"]
+        return [line, "decode ITL estimate, fused EAGLE3 step: not covered for the paged layout (vLLM Neuron verifies "
+                      "and drafts in two forwards, the EagleProposer's call apart; planner/speculative.py models "
+                      "NxDI's fused step)"]
     fused = fused_itl(c, p.tp, p.decode_ep, p.batch, p.seq, k, p.weights, p.kv_dtype, draft, p.layout, latency_s)
     lines = [line,
              f"decode ITL estimate, fused EAGLE3 step (k={k}, acceptance {ITL_ACCEPTANCE}) {at}: "

@@ -54,6 +54,10 @@ def rope_inv_freq(dc: DraftConfig) -> torch.Tensor:
     return torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, blended))
 
 
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class DraftCache:
     """The draft layer's K/V ``[B, kv_heads, max_len, head_dim]`` (slot == position)."""
 
@@ -98,6 +102,9 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(h, dc.draft_vocab_size, bias=False)
         self.register_buffer("target_ids", torch.arange(dc.draft_vocab_size), persistent=False)  # draft -> target
         self.register_buffer("inv_freq", rope_inv_freq(dc), persistent=False)
+        # tensor parallel (minimax_m3.vllm_neuron.eagle3.shard_draft_): the sum of the ranks' o_proj and down_proj
+        # partial outputs, the ranks' lm_head rows side by side; identities on one rank
+        self.reduce = self.gather = _whole
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, w, self.dc.rms_norm_eps, offset=0.0)
@@ -125,10 +132,10 @@ class Eagle3Draft(nn.Module):
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq, q.dtype)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         a = cache.attend(q, k, v, positions, dc.head_dim ** -0.5)
-        residual = residual + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
+        residual = residual + self.reduce(self.o_proj(a.transpose(1, 2).reshape(b, t, -1)))
         m = self._norm(residual, self.post_attention_layernorm)
-        out = residual + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
-        draft_logits = F.linear(self._norm(out, self.norm), self.lm_head.weight).float()
+        out = residual + self.reduce(self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m)))
+        draft_logits = self.gather(F.linear(self._norm(out, self.norm), self.lm_head.weight).float())
         logits = draft_logits.new_full((b, t, dc.vocab_size), float("-inf"))
         logits[..., self.target_ids] = draft_logits
         return logits, out

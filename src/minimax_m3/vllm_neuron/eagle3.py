@@ -21,13 +21,15 @@ proposer; ``vllm_neuron/model/llama3/eagle3_model.py``, the plugin's own Llama d
 
 The layer math is the reference draft's (:class:`minimax_m3.reference.eagle3.Eagle3Draft`, the same module and
 weights); only its cache is vLLM's pages (:class:`PagedDraftCall`): dense over the row's pages up to each query,
-written first. The draft runs whole on every rank (it is one layer; its K/V heads are all local). Drafted tokens are
-the argmax of the draft's logits over the target vocabulary (greedy drafting, as the plugin's proposer asks).
+written first. Over vLLM's tensor-parallel group the layer is split as the plugin's Llama draft is
+(:func:`shard_draft_`: heads, MLP width and draft vocabulary per rank; two all-reduces and the logits' all-gather
+per draft step), else whole on every rank. Drafted tokens are the argmax of the draft's logits over the target
+vocabulary (greedy drafting, as the plugin's proposer asks).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -36,8 +38,9 @@ from .. import ops
 from ..config.m3 import M3Config
 from ..errors import ServingError
 from ..ops.paged import Pages, write_slots
+from ..reference.parallel import ShardPlan
 from .contract import KVSpec, LayerSpec
-from .model import _dtype
+from .model import _dtype, _tp_group
 
 
 @dataclass
@@ -59,6 +62,42 @@ class PagedDraftCall:
         write_slots(self.v, v.transpose(1, 2).reshape(b * t, h, d), self.slots)
         keys, values = Pages(self.k, self.table).lines(), Pages(self.v, self.table).lines()
         return ops.masked_attention(q, keys, values, ops.causal_keep(positions, keys.shape[2]), scale)
+
+
+def draft_split_problems(dc, world: int) -> list[str]:
+    """Why the draft layer does not split over ``world`` tensor-parallel ranks (empty: it does)."""
+    sizes = {"num_attention_heads": dc.num_heads, "num_key_value_heads": dc.num_kv_heads,
+             "intermediate_size": dc.intermediate_size, "draft_vocab_size": dc.draft_vocab_size}
+    return [f"{k} {v} is not a multiple of {world} ranks" for k, v in sizes.items() if v % world]
+
+
+def shard_draft_(draft, plan: ShardPlan) -> bool:
+    """Split a built draft layer (:class:`~minimax_m3.reference.eagle3.Eagle3Draft`) over ``plan``'s ranks, in place,
+    as the plugin's Llama draft is split: this rank's query and K/V heads (q, k, v rows; o_proj columns, summed over
+    the ranks), its slice of the MLP width (gate, up rows; down columns, summed), its rows of the draft vocabulary
+    (lm_head, the ranks' logits side by side); fc, the norms and the embedding whole on every rank. False (the layer
+    left whole on every rank, its K/V heads all local) on one rank or where the widths do not split
+    (:func:`draft_split_problems`)."""
+    dc, w, r = draft.dc, plan.world, plan.rank
+    if w == 1 or draft_split_problems(dc, w):
+        return False
+    d = dc.head_dim
+
+    def rows(lin, n):  # this rank's n-th share of a weight's rows (outputs)
+        lin.weight = nn.Parameter(lin.weight.detach()[r * n:(r + 1) * n].clone(), requires_grad=False)
+
+    rows(draft.q_proj, dc.num_heads // w * d)
+    rows(draft.k_proj, dc.num_kv_heads // w * d)
+    rows(draft.v_proj, dc.num_kv_heads // w * d)
+    rows(draft.gate_proj, dc.intermediate_size // w)
+    rows(draft.up_proj, dc.intermediate_size // w)
+    rows(draft.lm_head, dc.draft_vocab_size // w)
+    for lin, n in ((draft.o_proj, dc.num_heads // w * d), (draft.down_proj, dc.intermediate_size // w)):
+        lin.weight = nn.Parameter(lin.weight.detach()[:, r * n:(r + 1) * n].clone(), requires_grad=False)
+    draft.dc = replace(dc, num_heads=dc.num_heads // w, num_kv_heads=dc.num_kv_heads // w,
+                       intermediate_size=dc.intermediate_size // w)
+    draft.reduce, draft.gather = plan.all_reduce, plan.all_gather_last
+    return True
 
 
 def slots_at(positions: torch.Tensor, table: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -114,6 +153,8 @@ class MiniMaxM3Eagle3Draft(nn.Module):
         shared = target_shared(dc, tensors, resolve(target_path, cache_dir), config)
         self.draft = build_draft(dc, tensors, shared, self.dtype, device or "cpu")
         self.vocab_size = config.vocab_size
+        world, rank, group = _tp_group()
+        self.sharded = shard_draft_(self.draft, ShardPlan(world=world, rank=rank, group=group))
 
     # ---- caches -------------------------------------------------------------------------------------------------
     def get_kv_spec(self) -> KVSpec:

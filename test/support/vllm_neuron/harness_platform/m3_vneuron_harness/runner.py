@@ -80,6 +80,10 @@ class HarnessRunner(ForwardInputs):
 
             self.proposer = Proposer(self.vllm_config, self.device, registry)
             model.set_aux_hidden_state_layers(self.proposer.aux_layers or model.get_eagle3_aux_hidden_state_layers())
+            self._trace({"event": "draft", "class": type(self.proposer.model).__name__,
+                         "sharded": getattr(self.proposer.model, "sharded", None),
+                         "kv_spec": [[s.name, s.num_kv_heads, s.head_size]
+                                     for s in self.proposer.model.get_kv_spec().layers]})
         backend = os.environ.get("M3_VNEURON_COMPILE", "")
         if backend:  # R@64000: torch.compile(fullgraph) — recompiles after warm-up are errors
             torch._dynamo.config.cache_size_limit = 1 << 20
@@ -402,6 +406,7 @@ class HarnessRunner(ForwardInputs):
 
     # -------------------------------------------------------------- trace
     def _trace(self, record: dict) -> None:
+        """One line of ``$M3_VNEURON_TRACE`` (every rank of a TP group writes its own, with its ``rank``)."""
         if self.trace_path:
             with open(self.trace_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**record, "rank": int(self.rank_tensor)}) + "\n")
