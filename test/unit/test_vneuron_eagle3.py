@@ -14,7 +14,8 @@ import torch
 from minimax_m3.checkpoint.draft import canonical, synthetic_tensors
 from minimax_m3.config.draft import DraftConfig
 from minimax_m3.reference.eagle3 import Eagle3Drafter, build_draft
-from minimax_m3.vllm_neuron.eagle3 import MiniMaxM3Eagle3Draft, accepted_tokens, slots_at
+from minimax_m3.ops.paged import slot_mapping
+from minimax_m3.vllm_neuron.eagle3 import MiniMaxM3Eagle3Draft, accepted_tokens
 
 DC = DraftConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, vocab_size=64,
                  draft_vocab_size=40, target_hidden_size=24, rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -50,7 +51,7 @@ def _meta(m, table, slots, q):
 
 
 def _slots(table, row, positions):
-    return slots_at(torch.as_tensor(positions), table[row].expand(len(positions), -1), BLOCK)
+    return slot_mapping(table[row:row + 1], torch.as_tensor([list(positions)]), BLOCK).view(-1)
 
 
 def test_prompt_then_verify_steps_propose_the_reference_drafts():
@@ -110,6 +111,6 @@ def test_accepted_tokens_moves_the_sampling_position_back_past_the_rejected():
 
 
 @pytest.mark.parametrize("pos,want", [(0, 20), (5, 49), (23, -1), (30, -1)])
-def test_slots_at(pos, want):
+def test_slot_mapping(pos, want):
     table = torch.tensor([[5, 12, 3, 9, 2, -1]], dtype=torch.int32)
-    assert slots_at(torch.tensor([pos]), table, BLOCK).tolist() == [want]
+    assert slot_mapping(table, torch.tensor([pos]), BLOCK).tolist() == [want]

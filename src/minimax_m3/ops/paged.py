@@ -52,6 +52,18 @@ class Pages:
         return self.cache.reshape(n * h, p, d).index_select(0, rows).view(b, h, t, k * p, d)
 
 
+def slot_mapping(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """vLLM's slots of each row's ``positions [B, T]`` (or ``[B]``) through ``table [B, W]``: ``page * P + offset``,
+    page ``table[row, position // P]``; ``-1`` (padding: written to the null page) where the row has no page there
+    (past its table, or ``-1`` in it)."""
+    shape = positions.shape
+    pos = positions.reshape(shape[0], -1).to(torch.int64)
+    block = pos // page_size
+    page = table.to(torch.int64).gather(1, block.clamp(max=table.shape[1] - 1))
+    slot = page * page_size + pos % page_size
+    return torch.where((block < table.shape[1]) & (page >= 0), slot, torch.full_like(slot, -1)).view(shape)
+
+
 def write_slots(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Write ``new [T, H, D]`` (token ``i``'s heads) into ``cache [N, H, P, D]`` at ``slots [T]`` (page * P + offset;
     negative: padding, written to page 0, the null page), in place; returns ``cache``."""

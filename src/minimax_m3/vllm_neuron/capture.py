@@ -19,6 +19,7 @@ import torch
 
 from ..config.m3 import M3Config
 from ..errors import M3Error
+from ..ops.paged import slot_mapping
 from ..reference.model import M3Model
 from . import sampling
 from .contract import Layout, attention_spec
@@ -85,7 +86,7 @@ def inputs(model: MiniMaxM3ForCausalLM, b: Bucket, start: int = 0, seed: int = 0
     pages = torch.randperm(rows * b.width, generator=gen).view(rows, b.width) + 1  # page 0: the null page
     per = b.tokens
     pos = torch.arange(per).view(1, per) + start + torch.arange(rows).view(rows, 1) * (seed % 3)
-    slots = pages.gather(1, pos // bs) * bs + pos % bs
+    slots = slot_mapping(pages, pos, bs)
     md = {"slot_mapping": slots.reshape(-1), "block_table_tensor": pages.to(torch.int32), "block_size": bs,
           "max_query_len": per, "decode_token_threshold": per if b.kind == "decode" else 1}
     verify = b.kind == "decode" and per > 1

@@ -37,7 +37,7 @@ from torch import nn
 from .. import ops
 from ..config.m3 import M3Config
 from ..errors import ServingError
-from ..ops.paged import Pages, write_slots
+from ..ops.paged import Pages, slot_mapping, write_slots
 from ..reference.parallel import ShardPlan
 from .contract import KVSpec, LayerSpec
 from .model import _dtype, _tp_group
@@ -56,12 +56,14 @@ class PagedDraftCall:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                scale: float) -> torch.Tensor:
         """Write ``k, v [B, kv, T, d]`` at the call's slots, then each query of ``q [B, heads, T, d]`` at
-        ``positions [B, T]`` attends to its row's entries ``<=`` its position."""
+        ``positions [B, T]`` attends to its row's entries ``<=`` its position: ``ops.attention_step``'s dense layer
+        over pages written first (the target's paged step, ``paged_cache.Call``, with no selection)."""
         b, h, t, d = k.shape
         write_slots(self.k, k.transpose(1, 2).reshape(b * t, h, d), self.slots)
         write_slots(self.v, v.transpose(1, 2).reshape(b * t, h, d), self.slots)
-        keys, values = Pages(self.k, self.table).lines(), Pages(self.v, self.table).lines()
-        return ops.masked_attention(q, keys, values, ops.causal_keep(positions, keys.shape[2]), scale)
+        q_pos = positions.to(torch.int64)
+        return ops.attention_step(q, Pages(self.k, self.table), Pages(self.v, self.table), None, q_pos, q_pos[:, 0],
+                                  0, ops.Alone(), scale)
 
 
 def draft_split_problems(dc, world: int) -> list[str]:
@@ -98,16 +100,6 @@ def shard_draft_(draft, plan: ShardPlan) -> bool:
                        intermediate_size=dc.intermediate_size // w)
     draft.reduce, draft.gather = plan.all_reduce, plan.all_gather_last
     return True
-
-
-def slots_at(positions: torch.Tensor, table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """vLLM's slot of each row's ``positions [B]`` (``table[row, position // block] * block + position % block``);
-    -1 (padding: the null page) where the row has no page there."""
-    block = positions // block_size
-    inside = block < table.shape[1]
-    page = table.long().gather(1, block.clamp(max=table.shape[1] - 1).view(-1, 1)).view(-1)
-    slot = page * block_size + positions % block_size
-    return torch.where(inside & (page >= 0), slot, torch.full_like(slot, -1))
 
 
 def accepted_tokens(ids: torch.Tensor, last: torch.Tensor, raw: torch.Tensor, vocab: int, k: int):
@@ -205,7 +197,7 @@ class MiniMaxM3Eagle3Draft(nn.Module):
         drafts = [token]
         for _ in range(self.num_speculative_tokens - 1):  # one-token steps on the draft's own state
             cur = cur + 1
-            step = PagedDraftCall(self.k, self.v, slots_at(cur, table, block), table)
+            step = PagedDraftCall(self.k, self.v, slot_mapping(table, cur, block), table)
             logits, out = draft(token.view(-1, 1), out.unsqueeze(1), cur.view(-1, 1), step)
             logits, out = logits[:, 0], out[:, 0]
             token = logits.argmax(-1)
@@ -228,4 +220,4 @@ def _current_target() -> tuple[M3Config, str]:
     raw = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
     return M3Config.from_dict(raw, source="the target's hf_config"), mc.model
 
-__all__ = ["MiniMaxM3Eagle3Draft", "PagedDraftCall", "accepted_tokens", "slots_at"]
+__all__ = ["MiniMaxM3Eagle3Draft", "PagedDraftCall", "accepted_tokens"]
