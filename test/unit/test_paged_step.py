@@ -133,3 +133,94 @@ def test_a_query_split_selection_matches_the_oracle(parts, start, t):
                              torch.tensor(starts), 0, ops.Alone(), SCALE, sel, iq[:, :, :1], ik_line,
                              split=ops.QuerySplit(parts, 0, lambda ids: pytest.fail("decode must not split")))
     assert one.shape == (b, HQ, 1, D)
+
+
+# ---- decode context parallelism: whole pages dealt over the ranks (vLLM Neuron's DCP, ops.layout by block) -------
+
+
+def _dcp_paged(k, v, ik, width, group, gen):
+    """Each rank's pages of the rows' lines, dealt as vLLM Neuron deals them (interleave = the block): block ``n`` of
+    a row on rank ``n mod G``, in its page ``table[row, n div G]`` (one table for every rank, as the scheduler hands
+    it; each rank's pages its own memory, shuffled). Slots written only where the rank owns the position
+    (``ops.paged.slot_mapping`` on the rank's table)."""
+    b, _, s, _ = k.shape
+    local = width // group
+    n = b * local + 1
+    table = (torch.randperm(n - 1, generator=gen) + 1).view(b, local)
+    ranks = []
+    for r in range(group):
+        kc, vc = torch.full((n, HKV, P, D), 1e4), torch.full((n, HKV, P, D), 1e4)
+        ikc = torch.full((n, 1, P, DI), 1e4)
+        for row in range(b):
+            pos = torch.arange(s)
+            mine = pos[(pos // P) % group == r]
+            slots = table[row, mine // (P * group)] * P + mine % P
+            write_slots(kc, k[row, :, mine].transpose(0, 1), slots)
+            write_slots(vc, v[row, :, mine].transpose(0, 1), slots)
+            write_slots(ikc, ik[row, mine].unsqueeze(1), slots)
+        ranks.append((kc, vc, ikc))
+    return ranks, table
+
+
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("start, t", [(0, 64), (32, 32), (37, 1), (29, 4)])
+def test_block_interleaved_ranks_match_the_oracle(group, sparse, start, t):
+    """``G`` ranks each holding whole pages (``unit`` = the block): each scores its own blocks, the group merges the
+    candidates and each reads the selected pages it holds; every rank's heads equal the one-softmax oracle's over the
+    unsharded line. A prefill from 0 and from a block boundary past it (the plugin's DCP segments), a decode token
+    and a verify step mid-page; two rows at other positions."""
+    from test.support import seq_shards as sh
+
+    gen = torch.Generator().manual_seed(group * 1000 + start * 10 + t)
+    b, width = 2, 8
+    starts = [start, start + 5 if t < 8 else start + 8 * group]  # prefill rows start on a lap of G blocks
+    end = starts[-1] + t
+    width = max(width, -(-end // (P * group)) * group)
+    k, v, ik = _lines(b, end, gen)
+    q = torch.randn(b, HQ, t, D, generator=gen)
+    iq = torch.randn(b, HKV, t, DI, generator=gen)
+    ranks, table = _dcp_paged(k, v, ik, width, group, gen)
+    sel = ops.Selection(P, TOPK, 0, 1) if sparse else None
+    q_pos = torch.stack([torch.arange(s0, s0 + t) for s0 in starts])
+    hl = HQ // group
+
+    def rank_step(r, member):
+        kc, vc, ikc = ranks[r]
+        ik_line = Pages(ikc, table).lines()[:, 0] if sparse else None
+        return ops.attention_step(q[:, r * hl:(r + 1) * hl], Pages(kc, table), Pages(vc, table), None, q_pos,
+                                  q_pos[:, 0], r, member, SCALE, sel, iq if sparse else None, ik_line, tile=8, unit=P)
+
+    outs, calls = sh.run_group(group, rank_step)
+    got = torch.cat(outs, dim=1)  # each rank's own heads, in rank order
+    for row, s0 in enumerate(starts):
+        e = s0 + t
+        want = oracles.prefill_attention(q[row:row + 1], k[row:row + 1, :, :e], v[row:row + 1, :, :e], SCALE,
+                                         iq=iq[row:row + 1] if sparse else None,
+                                         ik=ik[row:row + 1, :e] if sparse else None,
+                                         block_size=P, topk=TOPK, tile=8, start=s0)
+        torch.testing.assert_close(got[row:row + 1], want, rtol=TOL, atol=TOL)
+    one = t < ops.step.ONE_GATHER_TOKENS and t == 1
+    kinds = ["all-gather"] * (1 if one or not sparse else 2) + ["all-to-all"]
+    assert calls == kinds
+
+
+def test_block_interleaved_positions_and_last_slots_by_hand():
+    """``ops.layout`` dealt by 4-token runs over 2 ranks: rank 1 holds positions 4-7, 12-15, ...; a query at 9 reads
+    rank 0's slots up to 5 (positions 0-3, 8, 9) and rank 1's up to 3 (positions 4-7)."""
+    slots = torch.arange(8)
+    assert ops.layout.slot_positions(slots, 1, 2, 4).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert ops.layout.slot_positions(slots, 0, 2, 4).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    q = torch.tensor([0, 3, 4, 9, 15])
+    assert ops.layout.last_slot(q, 0, 2, 4).tolist() == [0, 3, 3, 5, 7]
+    assert ops.layout.last_slot(q, 1, 2, 4).tolist() == [-1, -1, 0, 3, 7]
+    assert ops.layout.last_slot(q, 1, 2, 1).tolist() == ops.layout.last_slot(q, 1, 2).tolist()
+
+
+def test_an_interleave_other_than_the_block_is_refused():
+    q = torch.zeros(1, HQ, 1, D)
+    pages = Pages(torch.zeros(2, HKV, P, D), torch.tensor([[1]]))
+    with pytest.raises(ValueError, match="whole index blocks per rank"):
+        ops.attention_step(q, pages, pages, None, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1), 0,
+                           ops.Alone(), SCALE, ops.Selection(P, TOPK), torch.zeros(1, HKV, 1, DI),
+                           torch.zeros(1, P, DI), unit=P // 2)

@@ -179,13 +179,24 @@ def _upto(act: Active | None, end: int, group: int) -> Active | None:
     return Active(act.k[:, :, :n], act.v[:, :, :n], act.pos[:, :n], None if act.ik is None else act.ik[:, :n], True)
 
 
+def _spread(local: torch.Tensor, rank, group: int) -> torch.Tensor:
+    """A block-interleaved rank's scores of its local blocks ``[..., n]`` as the line's ``[..., n * G]`` (local
+    block ``j`` is block ``j*G + rank``; ``-inf`` on every other rank's blocks)."""
+    mine = torch.arange(group, device=local.device) == rank_index(rank, local.device)
+    return torch.where(mine, local.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
 def block_scores(iq: torch.Tensor, ik_prior: torch.Tensor | None, act: Active | None, q_pos: torch.Tensor,
-                 start: torch.Tensor, block_size: int, rank, group: int, nblk: int) -> torch.Tensor:
+                 start: torch.Tensor, block_size: int, rank, group: int, nblk: int, unit: int = 1) -> torch.Tensor:
     """``[B, H, T, nblk]`` float32: the rank's partial block scores, ``iq [B, H, T, Di]`` against its prior index
     keys (``ik_prior [B, S/G, Di]``, positions ``< start``; ``None``: none) and its active ones, max-pooled into the
     ``nblk`` blocks of the line (``-inf`` where it holds no key the query may see). ``act`` None: the prior already
-    holds the call's keys (written first), each query reads its slots up to its own position."""
+    holds the call's keys (written first), each query reads its slots up to its own position; ``unit`` (the block,
+    block-interleaved ranks: ``ops.layout``) scores the rank's own blocks only."""
     b, h, t, _ = iq.shape
+    if act is None and unit > 1:
+        own = index_block_scores(iq, ik_prior, last_slot(q_pos, rank, group, unit), block_size)
+        return _spread(own, rank, group)
     if act is None:
         return index_block_scores(iq, ik_prior, last_slot(q_pos, rank, group), block_size // group)
     if ik_prior is None:
@@ -204,12 +215,13 @@ def _tiles(t: int, tile: int | None):
     return [(i, min(t, i + tile)) for i in range(0, t, tile)]
 
 
-def _select(iq, ik_prior, act: Active, q_pos, start, sel: Selection, rank, group: int, nblk: int, tile, topk_fn):
+def _select(iq, ik_prior, act: Active, q_pos, start, sel: Selection, rank, group: int, nblk: int, tile, topk_fn,
+            unit: int = 1):
     """The rank's local candidates ``(scores, ids)``, ``[B, H, T, K]`` each, query tile by query tile."""
     parts = []
     for i0, i1 in _tiles(q_pos.shape[1], tile):
         partial = block_scores(iq[:, :, i0:i1], ik_prior, _upto(act, i1, group), q_pos[:, i0:i1], start,
-                               sel.block_size, rank, group, nblk)
+                               sel.block_size, rank, group, nblk, unit)
         parts.append(local_candidates(partial, q_pos[:, i0:i1], sel.block_size, sel.topk, sel.init_blocks,
                                       sel.local_blocks, topk_fn))
     return tuple(torch.cat(x, dim=2) for x in zip(*parts)) if len(parts) > 1 else parts[0]
@@ -232,20 +244,30 @@ def _by_block(x: torch.Tensor, per: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-def _sparse(q, k, v, act: Active | None, q_pos, start, blocks, block_size: int, rank, group: int, scale: float):
+def _sparse(q, k, v, act: Active | None, q_pos, start, blocks, block_size: int, rank, group: int, scale: float,
+            unit: int = 1):
     """One query tile of a sparse layer: each query reads its ``K`` selected blocks (``K x per`` keys). A call with
     nothing before it (``k`` None; its own keys from a block boundary) gathers them from its own keys; a call whose
     keys the caches already hold (``act`` None) from the caches alone; a later prefill call (its own keys from a
     block boundary, ``act.blocked``) from a copy of the rank's lines with its own keys in their slots (block-sparse
     FLOPs; the copy is the rank's 1/G of the line); decode and verify (a few active tokens at any position) from the
-    prior, plus their own few keys scored and masked (``1 + T/(K x per)`` times the block-sparse FLOPs).
+    prior, plus their own few keys scored and masked (``1 + T/(K x per)`` times the block-sparse FLOPs). Ranks
+    interleaved by block (``unit`` the block, keys in the caches): each selected block is gathered from the rank's
+    local block ``id div G`` and read where ``id mod G`` is the rank (a static ``K`` gathers, the others masked).
     ``(out, max, sum)``."""
     b, hq, t, d = q.shape
-    h, kk, per = (k if act is None else act.k).shape[1], blocks.shape[-1], block_size // group
+    h, kk = (k if act is None else act.k).shape[1], blocks.shape[-1]
+    per = block_size // group if unit == 1 else block_size
     r = hq // h
     ids = blocks.clamp(min=0)
-    key_pos = ((ids * block_size).unsqueeze(-1) + torch.arange(per, device=q.device) * group
-               + rank_index(rank, q.device)).view(b, h, t, kk * per)
+    own = blocks >= 0
+    if unit == 1:
+        key_pos = ((ids * block_size).unsqueeze(-1) + torch.arange(per, device=q.device) * group
+                   + rank_index(rank, q.device)).view(b, h, t, kk * per)
+    else:  # whole blocks per rank: the block's own positions, the rank's local block of it
+        key_pos = ((ids * block_size).unsqueeze(-1) + torch.arange(per, device=q.device)).view(b, h, t, kk * per)
+        own = own & (ids % group == rank_index(rank, q.device))
+        ids = torch.div(ids, group, rounding_mode="floor")
     qg = q.reshape(b, h, r, t, d).transpose(2, 3)  # [B, H, T, r, D]: the heads share the gather
     if k is None or act is None or act.blocked:  # each selected block gathered whole; each query's keys up to itself
         if act is None:  # the caches, which already hold the call's keys
@@ -261,7 +283,7 @@ def _sparse(q, k, v, act: Active | None, q_pos, start, blocks, block_size: int, 
             slot = slot.clamp(max=k.shape[2] - 1).view(b, 1, a, 1).expand(b, h, a, d)  # (calls end in the cache)
             kg = _gather(k.scatter(2, slot, act.k.to(k.dtype)), ids.clamp(max=n - 1), n)
             vg = _gather(v.scatter(2, slot, act.v.to(v.dtype)), ids.clamp(max=n - 1), n)
-        keep = (blocks >= 0).repeat_interleave(per, dim=-1) & (key_pos <= q_pos.view(b, 1, t, 1))
+        keep = own.repeat_interleave(per, dim=-1) & (key_pos <= q_pos.view(b, 1, t, 1))
         scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [B, H, T, r, K * per]
         p, top, total = partial_softmax(scores, keep.unsqueeze(3).expand_as(scores))
         out = torch.matmul(p.to(vg.dtype), vg)
@@ -281,9 +303,9 @@ def _sparse(q, k, v, act: Active | None, q_pos, start, blocks, block_size: int, 
             total.transpose(2, 3).reshape(b, hq, t))
 
 
-def _dense(q, k, v, act: Active | None, q_pos, start, rank, group: int, scale: float):
+def _dense(q, k, v, act: Active | None, q_pos, start, rank, group: int, scale: float, unit: int = 1):
     """One query tile of a dense layer: every prior slot before ``start`` and every active key up to the query
-    (``act`` None: every slot up to the query's position)."""
+    (``act`` None: every slot up to the query's position, ``unit`` the ranks' interleave: ``ops.layout``)."""
     b, hq, t, d = q.shape
     if isinstance(k, Pages):
         k, v = k.lines(), v.lines()
@@ -292,7 +314,7 @@ def _dense(q, k, v, act: Active | None, q_pos, start, rank, group: int, scale: f
         r = hq // h
         qg = q.reshape(b, h, r * t, d)
         keep = (torch.arange(slots, device=q.device).view(1, 1, slots)
-                <= last_slot(q_pos, rank, group).view(b, t, 1)).view(b, 1, 1, t, slots)
+                <= last_slot(q_pos, rank, group, unit).view(b, t, 1)).view(b, 1, 1, t, slots)
         scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, h, r, t, slots)
         p, top, total = partial_softmax(scores * scale, keep.expand(b, 1, r, t, slots))
         out = torch.matmul(p.to(v.dtype).reshape(b, h, r * t, slots), v)
@@ -320,13 +342,15 @@ def _dense(q, k, v, act: Active | None, q_pos, start, rank, group: int, scale: f
 
 def partial_attention(q: torch.Tensor, k_prior: torch.Tensor | None, v_prior: torch.Tensor | None, act: Active,
                       q_pos: torch.Tensor, start: torch.Tensor, rank, group: int, scale: float,
-                      blocks: torch.Tensor | None = None, block_size: int | None = None, tile: int | None = None):
+                      blocks: torch.Tensor | None = None, block_size: int | None = None, tile: int | None = None,
+                      unit: int = 1):
     """The rank's share: ``(out [B, Hq, T, D] normalised over its keys, max, sum [B, Hq, T] float32)``, query tile
     by query tile (``tile`` queries; a dense layer's tile also keeps its scores under :data:`TILE_ELEMENTS`).
 
     ``q [B, Hq, T, D]`` at ``q_pos [B, T]``, the group's query heads over the rank's prior ``k_prior, v_prior
     [B, H, S/G, D]`` (slots of positions ``< start``; ``None``: nothing precedes the call) and its active keys. With
-    ``blocks [B, H, T, K]`` (``-1`` empty) only the selected blocks are read; without, every valid key."""
+    ``blocks [B, H, T, K]`` (``-1`` empty) only the selected blocks are read; without, every valid key. ``unit``:
+    the ranks' interleave (``ops.layout``; above 1 only with every key in the caches, ``act`` None)."""
     b, hq, t, _ = q.shape
     if blocks is None:
         slots = 0 if k_prior is None else k_prior.shape[2]
@@ -339,10 +363,11 @@ def partial_attention(q: torch.Tensor, k_prior: torch.Tensor | None, v_prior: to
         # a tile of a call from position 0 whose queries see at most top-k blocks is dense causal (every block it
         # sees would be selected): no gather
         if blocks is None or (k_prior is None and -(-i1 // block_size) <= blocks.shape[-1]):
-            outs.append(_dense(q[:, :, i0:i1], k_prior, v_prior, act_i, q_pos[:, i0:i1], start, rank, group, scale))
+            outs.append(_dense(q[:, :, i0:i1], k_prior, v_prior, act_i, q_pos[:, i0:i1], start, rank, group, scale,
+                               unit))
         else:
             outs.append(_sparse(q[:, :, i0:i1], k_prior, v_prior, act_i, q_pos[:, i0:i1], start, blocks[:, :, i0:i1],
-                                block_size, rank, group, scale))
+                                block_size, rank, group, scale, unit))
     return tuple(torch.cat(x, dim=2) for x in zip(*outs)) if len(outs) > 1 else outs[0]
 
 
@@ -350,7 +375,7 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
                    q_pos: torch.Tensor, start: torch.Tensor, rank, group: Group, scale: float,
                    sel: Selection | None = None, iq: torch.Tensor | None = None,
                    ik_prior: torch.Tensor | None = None, topk_fn=None, one_gather: bool | None = None,
-                   tile: int | None = None, split: QuerySplit | None = None) -> torch.Tensor:
+                   tile: int | None = None, split: QuerySplit | None = None, unit: int = 1) -> torch.Tensor:
     """One rank's attention output ``[B, Hl, T, D]`` for its own query heads ``q_local [B, Hl, T, D]`` at ``q_pos
     [B, T]``, over the prior caches (slots of positions ``< start [B]``) and the active keys ``act``.
 
@@ -364,8 +389,14 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
     index scores and the gathered keys of one tile are live at once; default: the whole call). ``topk_fn(x, k,
     dim=-1) -> (values, indices)`` replaces ``torch.topk`` (the Neuron port passes the SDK's top-k op). ``split``
     (:class:`QuerySplit`, with ``G = 1`` and no active keys): the ranks that hold the same index head select a share
-    of the call's queries each and all-gather the block ids."""
+    of the call's queries each and all-gather the block ids. ``unit``: how the group's line is dealt over its ranks
+    (``ops.layout``): 1, token-interleaved (NxDI's shards), or the index block, whole blocks per rank (vLLM's decode
+    context parallelism; every key already in the caches, ``act`` None): each rank then scores its own blocks and
+    reads the selected blocks it holds, the candidate merge and the softmax merge as for tokens."""
     g, (b, hl, t, d) = group.size, q_local.shape
+    if unit != 1 and (act is not None or (sel is not None and unit != sel.block_size)):
+        raise ValueError(f"ranks interleaved by {unit} tokens: the step reads whole index blocks per rank "
+                         f"(unit = the index block) with every key in the caches (no active keys)")
     one_gather = t == 1 if one_gather is None else one_gather
     nblk = 0
     if sel is not None:
@@ -376,10 +407,11 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
     if sel is not None and nblk > sel.topk and g == 1 and split is not None and split.applies(t, act):
         n = t // split.parts  # this rank's share of the queries, then the whole call's selection in one all-gather
         part = slice(split.index * n, (split.index + 1) * n)
-        _, ids = _select(iq[:, :, part], ik_prior, act, q_pos[:, part], start, sel, rank, g, nblk, tile, topk_fn)
+        _, ids = _select(iq[:, :, part], ik_prior, act, q_pos[:, part], start, sel, rank, g, nblk, tile, topk_fn,
+                         unit)
         blocks = split.gather(ids)
     elif sel is not None and nblk > sel.topk:
-        scores, ids = _select(iq, ik_prior, act, q_pos, start, sel, rank, g, nblk, tile, topk_fn)
+        scores, ids = _select(iq, ik_prior, act, q_pos, start, sel, rank, g, nblk, tile, topk_fn, unit)
         if g == 1:  # the rank's own candidates are the selection
             blocks = ids
         else:
@@ -401,7 +433,7 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
     if cands is not None:
         blocks = merge_candidates(cands[..., 0], cands[..., 1].to(torch.int64), nblk, sel.topk, topk_fn)
     out, top, total = partial_attention(q, k_prior, v_prior, act, q_pos, start, rank, g, scale, blocks,
-                                        None if sel is None else sel.block_size, tile)
+                                        None if sel is None else sel.block_size, tile, unit)
     if g == 1:
         return out.to(q_local.dtype)
     part = torch.cat([out.float(), top.unsqueeze(-1), total.unsqueeze(-1)], dim=-1)  # [B, G * Hl, T, D + 2]
