@@ -53,3 +53,23 @@ def test_leaves_vllm_alone_without_it(tmp_path, monkeypatch):
     added = _fake_vllm(monkeypatch)
     plugin.register()
     assert added == {}
+
+
+def test_a_dcp_size_that_splits_no_kv_head_names_the_sizes_that_do():
+    """``decode_context_parallel_size`` must divide the ranks that hold one KV head (M3: 64 / 4 = 16 at TP 64): a
+    size that does not, or a draft beside a DCP group, fails at start-up with one error naming what works."""
+    import pytest
+
+    from minimax_m3.config import M3Config
+    from minimax_m3.errors import ServingError
+    from minimax_m3.vllm_neuron.contract import Layout, check_serving, dcp_problems
+
+    c = M3Config.preset("tiny")  # 2 KV heads
+    assert dcp_problems(c, Layout(world=8, dcp=4)) == []
+    assert dcp_problems(c, Layout(world=64, dcp=1, speculative=True)) == []
+    (p,) = dcp_problems(c, Layout(world=8, dcp=3))
+    assert "4 rank(s) hold each of the 2 KV heads" in p and "[1, 2, 4]" in p
+    with pytest.raises(ServingError) as e:
+        check_serving(c, SimpleNamespace(architectures=[ARCHITECTURES[0]]),
+                      Layout(world=8, dcp=8, speculative=True, dtype=__import__("torch").float32))
+    assert "use one of [1, 2, 4]" in str(e.value) and "EAGLE3 draft's pages" in str(e.value)

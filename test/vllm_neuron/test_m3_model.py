@@ -434,3 +434,41 @@ def test_a_draft_for_another_target_is_refused_at_start_up(m3, tmp_path):
     with pytest.raises(AssertionError, match="(?s)EAGLE3 draft .*1 problem.*the target's hidden_size is 128"):
         drive(tmp_path / "run", path, engine, [{"id": "x", "prompt": _ids(20, 93), "max_tokens": 2, "arrive": 0}],
               env={"M3_VNEURON_MODELS": MODELS})
+
+
+def test_decode_context_parallel_2_pages_dealt_by_block(tmp_path):
+    """tensor_parallel_size 2, decode_context_parallel_size 2 on a checkpoint with ONE KV head: the two ranks (vLLM's
+    DCP group) hold every other 16-token page of each request (the plugin's slot mapping, interleave = the block:
+    block ``n`` on rank ``n mod 2``, the other rank writing the token to the null page; a prefill segment's slots cut
+    to the rank's blocks). Each rank scores its own blocks, the group merges the candidates, each reads the selected
+    pages it holds, the all-to-all merges the partial softmaxes. Prefix caching (a 64-token hit: two laps of the
+    32-token virtual block vLLM's DCP hashes), 32-token segments, two requests decoding together: tokens = the
+    reference's (one rank, contiguous caches); the segments that start on a lap carry half their slots."""
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+    from minimax_m3.config import M3Config
+    from minimax_m3.reference.engine import ReferenceEngine
+
+    config = M3Config.preset("tiny").replace(num_kv_heads=1, index_heads=1)
+    path = write_synthetic(tmp_path / "one-kv", config, seed=5)
+    ref = ReferenceEngine.from_pretrained(path, device="cpu", dtype="float32", max_seq_len=512)
+    engine = dict(ENGINE, max_num_seqs=2, num_gpu_blocks_override=64, tensor_parallel_size=2,
+                  decode_context_parallel_size=2, distributed_executor_backend="mp")
+    long = _ids(100, 81)
+    reqs = [{"id": "x", "prompt": long, "max_tokens": 8, "arrive": 0},
+            {"id": "y", "prompt": long[:64] + _ids(30, 82), "max_tokens": 8, "arrive": 6},
+            {"id": "z", "prompt": _ids(45, 83), "max_tokens": 6, "arrive": 7}]
+    env = {"M3_VNEURON_MODELS": MODELS, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    (tmp_path / "run").mkdir()
+    out, records = drive(tmp_path / "run", path, engine, reqs, env=env)
+    for r in reqs:
+        assert out["tokens"][r["id"]] == reference_greedy(ref, r["prompt"], r["max_tokens"]), r["id"]
+    fwd = [r for r in records if r["event"] == "forward" and r.get("rank", 0) == 0]
+    (kv,) = [r for r in records if r["event"] == "kv_cache"][:1]
+    assert kv["groups"][0]["layers"]["layers.1.self_attn"] == [kv["num_blocks"], 1, BLOCK, 32]
+    # vLLM's table counts 32-token virtual blocks: a rank's line is half the context
+    assert all(r["block_table_shape"][1] * BLOCK * 2 >= 320 for r in fwd)
+    cut = [r for r in fwd if r["kind"] == "prefill" and r["dcp_slots"] * 2 == r["input_ids_shape"][0]]
+    assert cut, "no prefill segment carried the plugin's cut slot mapping"
+    hit = [r for r in fwd if r["kind"] == "prefill" and ext(r["req_ids"][0]) == "y"]
+    assert hit[0]["first_positions"] == [64] and sum(n for r in hit for n in r["num_tokens"]) == 30
+    assert any(r["kind"] == "decode" and len(r["req_ids"]) == 2 for r in fwd)

@@ -165,6 +165,28 @@ _RULES: tuple[tuple[str, Callable], ...] = (
 )
 
 
+@dataclass(frozen=True)
+class SequenceGroup:
+    """The ranks that share one KV head's caches by sequence, on ``torch.distributed``: the ``ops.Group`` the
+    attention step's collectives run on (its all-gather and its all-to-all) — vLLM's decode-context-parallel group
+    for the vLLM Neuron model. ``group`` the process group of exactly these ``size`` ranks, in group order."""
+
+    size: int
+    group: Any = field(default=None, compare=False, repr=False)
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)  # [G * x0, ...], ranks in order
+        if dim == 0:
+            return out
+        return torch.cat(out.chunk(self.size, dim=0), dim=dim)
+
+    def exchange(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=self.group)  # part j to rank j, along dim 0
+        return out
+
+
 def init_distributed(ep: int = 1, backend: str | None = None) -> tuple[ShardPlan, str]:
     """Join the process group ``torchrun`` describes (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``); returns the plan and
     the device this rank uses (``cuda:LOCAL_RANK`` with NCCL when GPUs are present, else ``cpu`` with gloo)."""

@@ -60,7 +60,10 @@ class Layout:
     """One rank's serving layout: tensor-parallel ``world`` ranks (``rank`` this one; ``group`` its process group,
     None for one rank), experts over ``ep`` expert-parallel groups (``world / ep`` tensor-parallel ranks each),
     ``dtype`` of weights and caches, ``tile`` queries per attention tile, ``experts`` the routed experts' format
-    (``bf16``: the serving dtype; ``fp8``: per-channel e4m3, from the plugin's ``quantization``)."""
+    (``bf16``: the serving dtype; ``fp8``: per-channel e4m3, from the plugin's ``quantization``); ``dcp`` vLLM's
+    ``decode_context_parallel_size`` (the ranks of a KV head's caches, each holding every ``dcp``-th block of its
+    pages; ``dcp_rank`` this rank's place, ``tp_rank mod dcp``; ``dcp_group`` their collectives, an ``ops.Group``),
+    ``speculative``: a draft serves beside this model."""
 
     world: int = 1
     rank: int = 0
@@ -68,7 +71,11 @@ class Layout:
     dtype: torch.dtype = torch.bfloat16
     tile: int = 256
     experts: str = "bf16"
+    dcp: int = 1
+    dcp_rank: int = 0
+    speculative: bool = False
     group: object = field(default=None, compare=False, repr=False)
+    dcp_group: object = field(default=None, compare=False, repr=False)
 
 
 def check_serving(c: M3Config, hf_config, layout: Layout, neuron_config=None) -> None:
@@ -92,8 +99,28 @@ def check_serving(c: M3Config, hf_config, layout: Layout, neuron_config=None) ->
         problems.append(f"index_head_dim {c.index_head_dim} is odd: the index keys are paged as two halves")
     problems += [f"{p} (--tensor-parallel-size {layout.world}, expert parallel {layout.ep})"
                  for p in parallel.parallel_layout_problems(c, layout.world, layout.ep, even_vocab=True)]
+    problems += dcp_problems(c, layout)
     if problems:
         raise ServingError(problems)
+
+
+def dcp_problems(c: M3Config, layout: Layout) -> list[str]:
+    """Why vLLM's ``decode_context_parallel_size`` cannot shard this model's pages (empty: it can). The ranks of a
+    DCP group are consecutive (vLLM's ``_DCP``) and must hold the same KV head: ``dcp`` divides the ranks per KV
+    head, ``tp / kv_heads``."""
+    if layout.dcp == 1:
+        return []
+    per_head = parallel.kv_group_size(c, layout.world)
+    out = []
+    if per_head % layout.dcp:
+        fits = [d for d in range(1, per_head + 1) if per_head % d == 0]
+        out.append(f"--decode-context-parallel-size {layout.dcp}: {per_head} rank(s) hold each of the "
+                   f"{c.num_kv_heads} KV heads at --tensor-parallel-size {layout.world}; a DCP group shards one "
+                   f"head's pages, so use one of {fits}")
+    if layout.speculative:
+        out.append(f"--decode-context-parallel-size {layout.dcp} with --speculative-config: the EAGLE3 draft's pages "
+                   "are not sharded by sequence; serve the draft without decode context parallelism")
+    return out
 
 
 def check_block_size(c: M3Config, block_size: int) -> None:

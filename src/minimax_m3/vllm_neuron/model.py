@@ -53,6 +53,28 @@ def _tp_group() -> tuple[int, int, object]:
     return g.world_size, g.rank_in_group, (g.device_group if g.world_size > 1 else None)
 
 
+def _dcp(world: int) -> tuple[int, int, object, bool]:
+    """``(size, rank in it, ops.Group, speculative)``: vLLM's decode-context-parallel group where vLLM runs one
+    (``parallel_config.decode_context_parallel_size``; its ranks consecutive in the TP group, ``tp_rank mod dcp``),
+    else ``(1, 0, None, ...)``; and whether vLLM serves a draft beside the model."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        vc = get_current_vllm_config()
+        size = int(vc.parallel_config.decode_context_parallel_size or 1)
+        speculative = vc.speculative_config is not None
+    except Exception:  # no vLLM, or no config set (a test building the model directly)
+        return 1, 0, None, False
+    if size == 1 or world == 1:
+        return 1, 0, None, speculative
+    from vllm.distributed.parallel_state import get_dcp_group
+
+    from ..reference.parallel import SequenceGroup
+
+    g = get_dcp_group()
+    return g.world_size, g.rank_in_group, SequenceGroup(g.world_size, g.device_group), speculative
+
+
 def _dtype(hf_config, neuron_config) -> torch.dtype:
     """The serving dtype: vLLM's ``--dtype`` (its current model config, which the KV caches follow too) where vLLM
     is running, else the neuron config's, else the checkpoint's."""
@@ -88,12 +110,15 @@ class MiniMaxM3ForCausalLM(nn.Module):
         raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         c = M3Config.from_dict(raw, source="hf_config")
         world, rank, group = _tp_group()
+        dcp, dcp_rank, dcp_group, speculative = _dcp(world)
         ep = getattr(neuron_config, "ep_degree", None) or 1
-        check_serving(c, hf_config, Layout(world=world, rank=rank, ep=ep, group=group,
-                                           dtype=_dtype(hf_config, neuron_config)), neuron_config)
+        check_serving(c, hf_config, Layout(world=world, rank=rank, ep=ep, group=group, dcp=dcp,
+                                           speculative=speculative, dtype=_dtype(hf_config, neuron_config)),
+                      neuron_config)
         layout = Layout(world=world, rank=rank, ep=ep, dtype=_dtype(hf_config, neuron_config),
                         tile=getattr(neuron_config, "attention_tile", None) or 256, group=group,
-                        experts=QUANTIZATION[getattr(neuron_config, "quantization", None)])
+                        experts=QUANTIZATION[getattr(neuron_config, "quantization", None)], dcp=dcp,
+                        dcp_rank=dcp_rank, dcp_group=dcp_group)
         model = cls(c, layout)
         model.ods = sampling.config(getattr(neuron_config, "on_device_sampling_config", None))
         return model
@@ -110,7 +135,9 @@ class MiniMaxM3ForCausalLM(nn.Module):
         return KVSpec(layers=layers)
 
     def bind_kv_cache(self, kv_caches: dict) -> None:
-        self.cache = PagedCache(self.config, kv_caches, self.layout.tile, self.layout.dtype, self.query_split())
+        lay = self.layout
+        dcp = (lay.dcp_rank, lay.dcp_group) if lay.dcp > 1 else None
+        self.cache = PagedCache(self.config, kv_caches, lay.tile, lay.dtype, None if dcp else self.query_split(), dcp)
 
     def query_split(self):
         """The prefill index selection split over the ranks that hold this rank's KV head and index head

@@ -113,8 +113,7 @@ def resolve_neuron_config(vllm_config) -> HarnessNeuronConfig:
     if ods is not None and not isinstance(ods, dict):
         raise ValueError(f"on_device_sampling_config must be a dict of OnDeviceSamplingConfig fields or null, got "
                          f"{ods!r}")
-    if vllm_config.parallel_config.decode_context_parallel_size > 1:
-        raise NotImplementedError("decode context parallelism is not run by the harness (one rank)")
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
     cfg = HarnessNeuronConfig(
         ep_degree=nc.get("ep_degree", 1), attention_dp_size=nc.get("attention_dp_size", 1),
         embedding_dp_size=nc.get("embedding_dp_size", 1), lm_head_dp_size=nc.get("lm_head_dp_size", 1),
@@ -172,6 +171,10 @@ def resolve_neuron_config(vllm_config) -> HarnessNeuronConfig:
     if kv is None and getattr(vllm_config.cache_config, "enable_prefix_caching", False):
         raise ValueError("prefix caching requires segmented prefill (R@16000): disable it, or set "
                          "max_num_batched_tokens below max_model_len")
+    lap = dcp * vllm_config.cache_config.block_size
+    if dcp > 1 and any(n % lap for n in nbt):  # B@0: DCP prefill buckets are whole laps of dcp blocks
+        raise ValueError(f"decode_context_parallel_size {dcp}: prefill token buckets {nbt} must be multiples of "
+                         f"dcp x block_size = {lap}")
     cfg.kv_segment_size_buckets, cfg.num_batched_tokens_buckets, cfg.num_seqs_buckets = kv, nbt, seqs
     cfg.harness_notes = {"max_num_batched_tokens": max(mnbt, max(nbt)), "segmented": kv is not None}
     return cfg

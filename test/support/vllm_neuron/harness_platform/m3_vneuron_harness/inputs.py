@@ -28,6 +28,15 @@ Each forward gets what the plugin's runner would give it:
   int32 [1, 1], ``kv_segment_size`` (0 = single-shot prefill), and ``swa_kv_pos_offset`` int32 [reqs] for
   sliding-window groups in decode or with decode context buckets (R@176000).
 
+With ``decode_context_parallel_size`` (DCP) ``> 1`` each rank's slots follow the plugin's
+``_compute_slot_mapping_cpu`` (R@0) with interleave = the block size (its caller, R@176000): block ``n`` of a request on
+DCP rank ``n mod dcp`` (``cp_rank = tp_rank mod dcp``), other ranks' tokens at slot 0 (the null block); a prefill
+segment's slots are cut to this rank's blocks (``view(S // (dcp*bs), dcp, bs)[:, cp_rank]``, R@176000), which needs
+the segment to start on a lap of ``dcp`` blocks (the plugin raises otherwise). The plugin's Neuron scheduler runs a
+prefill alone with the whole token budget, so its segments always start there; vLLM's scheduler, used here, gives a
+segment what the decodes of its step leave, so a segment may start elsewhere: the harness then passes its slots
+whole, one per token (the decode form), and notes the deviation in the trace (``dcp_slots``).
+
 Decode padding rows of the block table are -1 here; the plugin leaves whatever its persistent block-table buffer
 holds in those rows (stale or null block ids). A model must not let padding rows matter either way.
 """
@@ -73,11 +82,39 @@ class ForwardInputs:
 
     def _slots(self, row: int, positions: np.ndarray) -> list[np.ndarray]:
         """Per group: block_table[position // block_size] * block_size + position % block_size (R@0
-        ``_compute_slot_mapping_cpu``, one rank)."""
+        ``_compute_slot_mapping_cpu``); under DCP its virtual blocks of ``block_size * dcp`` tokens, this rank's
+        ``block_size`` of each (interleave = the block size), other ranks' tokens at the null block."""
         out = []
+        w, r = self.dcp
         for bt in self.input_batch.block_table.block_tables:
-            blocks = bt.block_table.np[row, positions // bt.block_size].astype(np.int64)
-            out.append(blocks * bt.block_size + positions % bt.block_size)
+            bs = bt.block_size
+            blocks = bt.block_table.np[row, positions // (bs * w)].astype(np.int64)
+            off = positions % (bs * w)
+            slots = blocks * bs + off // (w * bs) * bs + off % bs
+            out.append(np.where(off // bs % w == r, slots, NULL_BLOCK_ID) if w > 1 else slots)
+        return out
+
+    @property
+    def dcp(self) -> tuple[int, int]:
+        """(decode_context_parallel_size, this rank's place in it: tp_rank mod dcp, R@32000)."""
+        w = self.vllm_config.parallel_config.decode_context_parallel_size
+        if w == 1:
+            return 1, 0
+        from vllm.distributed.parallel_state import get_dcp_group
+
+        return w, get_dcp_group().rank_in_group
+
+    def _dcp_prefill_slots(self, slots: list[np.ndarray], computed: int, padded: int) -> list[np.ndarray]:
+        """R@176000: a DCP prefill's slot_mapping cut to this rank's blocks of the segment (the segment on a lap of
+        ``dcp`` blocks); a segment vLLM's scheduler started elsewhere keeps a slot per token (see the module)."""
+        w, r = self.dcp
+        out = []
+        for s, bt in zip(slots, self.input_batch.block_table.block_tables):
+            lap = w * bt.block_size
+            if w == 1 or computed % lap or padded % lap:
+                out.append(s)
+            else:
+                out.append(s.reshape(padded // lap, w, bt.block_size)[:, r, :].reshape(-1).copy())
         return out
 
     def _metadata(self, tables, slots, max_query_len, cached_seq_len, decode, ctx_len=(), full_tables=None) -> dict:
@@ -179,6 +216,7 @@ class ForwardInputs:
             ids = torch.cat([ids, torch.zeros(padded - n, dtype=torch.int32)])
             pos = torch.cat([pos, torch.full((padded - n,), int(positions[-1]), dtype=torch.int64)])
             slots = [np.concatenate([s, np.full(padded - n, NULL_BLOCK_ID, dtype=np.int64)]) for s in slots]
+        slots = self._dcp_prefill_slots(slots, computed, padded)
         meta = self._metadata(self._group_rows([row], 1), slots, padded, computed, decode=False)
         kwargs = dict(input_ids=ids.to(self.device), positions=pos.to(self.device), attn_metadata=meta,
                       sampling_positions=torch.tensor([n - 1], dtype=torch.int64, device=self.device),

@@ -266,7 +266,7 @@ class HarnessRunner(ForwardInputs):
             self._trace({
                 "step": self.step, "event": "forward", "forward": self.forward_count, "kind": fwd.kind,
                 "req_ids": fwd.req_ids, "num_tokens": fwd.num_tokens, "first_positions": fwd.first_positions,
-                "input_ids_shape": list(fwd.kwargs["input_ids"].shape),
+                "input_ids_shape": list(fwd.kwargs["input_ids"].shape), "dcp_slots": int(m0["slot_mapping"].numel()),
                 "block_table_shape": list(m0["block_table_tensor"].shape),
                 "max_query_len": m0["max_query_len"], "cached_seq_len": int(m0["cached_seq_len"].item()),
                 "kv_segment_size": m0["kv_segment_size"], "seconds": round(time.perf_counter() - t0, 4)})
