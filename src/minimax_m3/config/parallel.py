@@ -53,6 +53,20 @@ def kv_group_size(c: M3Config, tp: int, kv_layout: str = KV_LAYOUTS[0]) -> int:
     return tp // c.num_kv_heads if tp > c.num_kv_heads else 1
 
 
+def dcp_problems(c: M3Config, tp: int, dcp: int) -> list[str]:
+    """Why vLLM's ``decode_context_parallel_size`` ``dcp`` cannot shard the pages at ``tp`` (empty: it can). vLLM's
+    DCP groups are consecutive TP ranks, and a group shards one KV head's pages by block: ``dcp`` divides the ranks
+    that hold each KV head, ``tp / num_kv_heads`` (16 for M3 at TP 64)."""
+    if dcp == 1:
+        return []
+    per_head = tp // c.num_kv_heads if tp > c.num_kv_heads else 1
+    if dcp > 0 and per_head % dcp == 0:
+        return []
+    fits = [d for d in range(1, per_head + 1) if per_head % d == 0]
+    return [f"--decode-context-parallel-size {dcp}: {per_head} rank(s) hold each of the {c.num_kv_heads} KV heads at "
+            f"--tensor-parallel-size {tp}; a DCP group shards one head's pages, so use one of {fits}"]
+
+
 class LayoutError(M3Error, ValueError):
     """A group size or prefill call size the sequence-sharded layout cannot use (the message names sizes that work)."""
 

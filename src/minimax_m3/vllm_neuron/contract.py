@@ -105,18 +105,11 @@ def check_serving(c: M3Config, hf_config, layout: Layout, neuron_config=None) ->
 
 
 def dcp_problems(c: M3Config, layout: Layout) -> list[str]:
-    """Why vLLM's ``decode_context_parallel_size`` cannot shard this model's pages (empty: it can). The ranks of a
-    DCP group are consecutive (vLLM's ``_DCP``) and must hold the same KV head: ``dcp`` divides the ranks per KV
-    head, ``tp / kv_heads``."""
+    """Why vLLM's ``decode_context_parallel_size`` cannot serve this model (empty: it can): the sharding rule
+    (``parallel.dcp_problems``), and no draft beside a DCP group."""
     if layout.dcp == 1:
         return []
-    per_head = parallel.kv_group_size(c, layout.world)
-    out = []
-    if per_head % layout.dcp:
-        fits = [d for d in range(1, per_head + 1) if per_head % d == 0]
-        out.append(f"--decode-context-parallel-size {layout.dcp}: {per_head} rank(s) hold each of the "
-                   f"{c.num_kv_heads} KV heads at --tensor-parallel-size {layout.world}; a DCP group shards one "
-                   f"head's pages, so use one of {fits}")
+    out = parallel.dcp_problems(c, layout.world, layout.dcp)
     if layout.speculative:
         out.append(f"--decode-context-parallel-size {layout.dcp} with --speculative-config: the EAGLE3 draft's pages "
                    "are not sharded by sequence; serve the draft without decode context parallelism")
