@@ -224,3 +224,14 @@ def test_an_interleave_other_than_the_block_is_refused():
         ops.attention_step(q, pages, pages, None, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1), 0,
                            ops.Alone(), SCALE, ops.Selection(P, TOPK), torch.zeros(1, HKV, 1, DI),
                            torch.zeros(1, P, DI), unit=P // 2)
+
+
+def test_dcp_slot_mapping_by_hand():
+    """vLLM Neuron's slots under DCP 2 (pages of 4, interleave = the page): the table counts 8-token virtual blocks;
+    positions 0-3 and 8-11 are rank 0's (pages 5 and 9), 4-7 and 12-15 rank 1's; the other rank writes slot 0."""
+    table, pos = torch.tensor([[5, 9]]), torch.arange(16).view(1, 16)
+    r0 = ops.paged.slot_mapping(table, pos, 4, dcp=2, dcp_rank=0)[0].tolist()
+    r1 = ops.paged.slot_mapping(table, pos, 4, dcp=2, dcp_rank=1)[0].tolist()
+    assert r0 == [20, 21, 22, 23, 0, 0, 0, 0, 36, 37, 38, 39, 0, 0, 0, 0]
+    assert r1 == [0, 0, 0, 0, 20, 21, 22, 23, 0, 0, 0, 0, 36, 37, 38, 39]
+    assert ops.paged.slot_mapping(table, torch.tensor([[16]]), 4, dcp=2, dcp_rank=0).tolist() == [[-1]]  # past it

@@ -52,16 +52,23 @@ class Pages:
         return self.cache.reshape(n * h, p, d).index_select(0, rows).view(b, h, t, k * p, d)
 
 
-def slot_mapping(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+def slot_mapping(table: torch.Tensor, positions: torch.Tensor, page_size: int, dcp: int = 1,
+                 dcp_rank: int = 0) -> torch.Tensor:
     """vLLM's slots of each row's ``positions [B, T]`` (or ``[B]``) through ``table [B, W]``: ``page * P + offset``,
     page ``table[row, position // P]``; ``-1`` (padding: written to the null page) where the row has no page there
-    (past its table, or ``-1`` in it)."""
+    (past its table, or ``-1`` in it). Under decode context parallelism (``dcp`` ranks, vLLM Neuron's interleave =
+    the page) the table counts virtual blocks of ``P x dcp`` tokens: block ``n = position // P`` lives on rank ``n
+    mod dcp`` in page ``table[row, n // dcp]``; a token another rank holds gets slot 0 (the null page), as the
+    plugin's ``_compute_slot_mapping_cpu`` writes it."""
     shape = positions.shape
     pos = positions.reshape(shape[0], -1).to(torch.int64)
-    block = pos // page_size
+    block = pos // (page_size * dcp)
     page = table.to(torch.int64).gather(1, block.clamp(max=table.shape[1] - 1))
     slot = page * page_size + pos % page_size
-    return torch.where((block < table.shape[1]) & (page >= 0), slot, torch.full_like(slot, -1)).view(shape)
+    slot = torch.where((block < table.shape[1]) & (page >= 0), slot, torch.full_like(slot, -1))
+    if dcp > 1:
+        slot = torch.where(pos // page_size % dcp == dcp_rank, slot, torch.zeros_like(slot))
+    return slot.view(shape)
 
 
 def write_slots(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

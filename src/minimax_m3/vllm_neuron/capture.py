@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import parallel
 from ..config.m3 import M3Config
 from ..errors import M3Error
 from ..ops.paged import slot_mapping
@@ -79,14 +80,19 @@ def inputs(model: MiniMaxM3ForCausalLM, b: Bucket, start: int = 0, seed: int = 0
     set, which makes an on-device-sampling model decide the step), and with on-device sampling ``sampling_params``.
     ``start``: the
     first position (a prefill segment after cached tokens, or each decode row's position); ``seed`` shuffles the
-    pages (other block tables, same shapes)."""
+    pages (other block tables, same shapes). Under decode context parallelism the slots are the rank's
+    (``ops.paged.slot_mapping``), a segment's cut to its blocks (start and tokens then whole laps of ``dcp``
+    blocks)."""
     c = model.config
     bs, rows = c.index_block_size, b.batch if b.kind == "decode" else 1
     gen = torch.Generator().manual_seed(seed)
     pages = torch.randperm(rows * b.width, generator=gen).view(rows, b.width) + 1  # page 0: the null page
     per = b.tokens
     pos = torch.arange(per).view(1, per) + start + torch.arange(rows).view(rows, 1) * (seed % 3)
-    slots = slot_mapping(pages, pos, bs)
+    lay = model.layout
+    slots = slot_mapping(pages, pos, bs, lay.dcp, lay.dcp_rank)
+    if lay.dcp > 1 and b.kind == "prefill":  # the runner cuts a DCP segment's slots to this rank's blocks
+        slots = slots.view(-1, lay.dcp, bs)[:, lay.dcp_rank]
     md = {"slot_mapping": slots.reshape(-1), "block_table_tensor": pages.to(torch.int32), "block_size": bs,
           "max_query_len": per, "decode_token_threshold": per if b.kind == "decode" else 1}
     verify = b.kind == "decode" and per > 1
@@ -109,7 +115,12 @@ def capture(model: MiniMaxM3ForCausalLM, b: Bucket, starts: tuple[int, ...] = (0
 
     def record(gm, example_inputs):
         cap.graphs.append(gm)
-        return gm.forward
+        if model.layout.dcp == 1:
+            return gm.forward
+        # the fake process group's collectives hand back uninitialised memory, and the DCP step indexes with what
+        # they gather (the merged block ids): the graph is recorded, not run; the call returns zeros of its outputs
+        outs = [n.meta.get("example_value") for n in gm.graph.output_node().args[0]]
+        return lambda *args: tuple(torch.zeros(o.shape, dtype=o.dtype) for o in outs)
 
     torch._dynamo.reset()
     fn = torch.compile(model.forward, backend=record, fullgraph=True, dynamic=False)
@@ -124,12 +135,14 @@ def capture(model: MiniMaxM3ForCausalLM, b: Bucket, starts: tuple[int, ...] = (0
 
 
 def rank_model(c: M3Config, world: int = 1, rank: int = 0, ep: int = 1, dtype=torch.bfloat16,
-               num_blocks: int = 64, experts: str = "bf16", on_device_sampling: bool = False) -> MiniMaxM3ForCausalLM:
+               num_blocks: int = 64, experts: str = "bf16", on_device_sampling: bool = False,
+               dcp: int = 1) -> MiniMaxM3ForCausalLM:
     """Rank ``rank`` of ``world`` with random weights at the per-rank shapes, its pages bound (``num_blocks`` of the
     index block), the load-time choices of :meth:`MiniMaxM3ForCausalLM.load_weights` made; ``on_device_sampling``:
     the plugin's default sampler config (its graphs then end in the draw). ``world > 1`` joins (once) torch's
-    ``fake`` process group of that size: collectives are captured, never run."""
-    group = None
+    ``fake`` process group of that size: collectives are captured, never run; ``dcp``: vLLM's decode context
+    parallelism, the rank's DCP group (consecutive ranks, as vLLM forms them) a sub-group of it."""
+    group = dcp_group = None
     if world > 1:
         import torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -137,7 +150,16 @@ def rank_model(c: M3Config, world: int = 1, rank: int = 0, ep: int = 1, dtype=to
         if not dist.is_initialized():
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         group = dist.group.WORLD
-    model = MiniMaxM3ForCausalLM(c, Layout(world=world, rank=rank, ep=ep, dtype=dtype, group=group, experts=experts))
+        if dcp > 1:
+            from ..reference.parallel import SequenceGroup
+
+            first = rank - rank % dcp
+            dcp_group = SequenceGroup(dcp, dist.new_group(list(range(first, first + dcp))))
+    problems = parallel.dcp_problems(c, world, dcp)
+    if problems:
+        raise CaptureError(problems)
+    model = MiniMaxM3ForCausalLM(c, Layout(world=world, rank=rank, ep=ep, dtype=dtype, group=group, experts=experts,
+                                           dcp=dcp, dcp_rank=rank % dcp, dcp_group=dcp_group))
     torch.manual_seed(0)
     m3 = M3Model(c, model.plan)
     for p in m3.parameters():
