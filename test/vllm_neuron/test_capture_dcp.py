@@ -43,3 +43,17 @@ def test_one_graph_per_bucket_with_the_dcp_collectives(rank1, bucket, starts):
 def test_a_dcp_size_that_splits_no_kv_head_is_refused():
     with pytest.raises(CaptureError, match=r"use one of \[1, 2\]"):
         rank_model(TINY, world=4, rank=0, dcp=4)
+
+
+def test_stablehlo_of_a_dcp_decode_step(rank1):
+    """The DCP rank's decode step lowers whole to StableHLO: the step's exchange as ``stablehlo.all_to_all`` (split
+    and concatenated along dim 0 over the 2 ranks), one per layer, beside the all-gathers and all-reduces."""
+    pytest.importorskip("torch_mlir", reason="torch-mlir is not installed here (scripts/test_vllm_neuron_offdevice.sh)")
+    from minimax_m3.graphs.stablehlo import to_hlo
+    from minimax_m3.vllm_neuron.capture import lower
+
+    low = lower(rank1, Bucket("decode", 1, 16, batch=2))
+    assert low.text.count('"stablehlo.all_to_all"') == TINY.num_layers
+    assert "split_count = 2 : i64" in low.text
+    kinds = [i.opcode for c in to_hlo(low.text, low.aliases).computations for i in c.instructions]
+    assert kinds.count("all-to-all") == TINY.num_layers

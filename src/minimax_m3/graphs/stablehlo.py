@@ -365,8 +365,8 @@ def to_hlo(text: str, aliases: dict[int, int] | None = None):
 
 def restore_collectives(text: str) -> str:
     """``text`` with each marked stand-in (ops whose innermost location frame is a :func:`collective_marker`)
-    replaced by the collective it stands for: one ``stablehlo.all_reduce`` / ``all_gather`` / ``reduce_scatter``
-    from the group's input to its last op's result, replica group ``[0 .. GROUP-1]``, at the stand-in's location."""
+    replaced by the collective it stands for: one ``stablehlo.all_reduce`` / ``all_gather`` / ``reduce_scatter`` /
+    ``all_to_all`` from the group's input to its last op's result, replica group ``[0 .. GROUP-1]``, at the stand-in's location."""
     reader = _Reader(text)
     marks: dict[str, str | None] = {}
 
@@ -422,6 +422,10 @@ def restore_collectives(text: str) -> str:
         elif kind == "reduce-scatter":
             new = (f'{indent}{out} = "stablehlo.reduce_scatter"({src}) <{{scatter_dimension = 0 : i64, {common}}}>'
                    f'{region} : ({src_type}) -> {outs[0]}')
+        elif kind == "all-to-all":  # part j of dim 0 to group rank j, the parts received stacked along dim 0
+            a2a = f"channel_handle = #stablehlo.channel_handle<handle = {int(n) + 1}, type = 1>, replica_groups = "
+            new = (f'{indent}{out} = "stablehlo.all_to_all"({src}) <{{{a2a}{groups_attr}, split_dimension = 0 : i64, '
+                   f'concat_dimension = 0 : i64, split_count = {group} : i64}}> : ({src_type}) -> {outs[0]}')
         else:
             raise StableHloError(f"collective {mark}: kind {kind!r} has no StableHLO form here")
         lines[idx[0]] = f"{new} loc({loc})"

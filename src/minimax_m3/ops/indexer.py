@@ -129,13 +129,19 @@ def local_candidates(partial: torch.Tensor, q_pos: torch.Tensor, block_size: int
     return top_blocks(scores, min(topk, scores.shape[-1]), topk_fn)
 
 
-def merge_candidates(scores: torch.Tensor, ids: torch.Tensor, nblk: int, topk: int, topk_fn=None) -> torch.Tensor:
+def merge_candidates(scores: torch.Tensor, ids: torch.Tensor, nblk: int, topk: int, topk_fn=None,
+                     disjoint: bool = False) -> torch.Tensor:
     """The global top-k block ids ``[B, H, Tq, min(topk, nblk)]`` from every rank's candidates (the all-gather,
     ``[G, B, H, Tq, K]`` each): a block's score is the max over the ranks that proposed it (one scatter-max into
-    ``nblk`` columns), then :func:`top_blocks` (lower id first on ties, ``-1`` for an empty slot)."""
+    ``nblk`` columns), then :func:`top_blocks` (lower id first on ties, ``-1`` for an empty slot). ``disjoint``:
+    ranks that hold whole blocks (``ops.layout`` by block) propose a block only from its one owner, or forced
+    (``+inf`` on every rank): a plain scatter places the same table (torch-mlir lowers no scatter-max)."""
     s = scores.movedim(0, -2).flatten(-2).float()
     i = ids.movedim(0, -2).flatten(-2).to(torch.int64)
     i = torch.where(i < 0, nblk, i)  # empty candidates land in a throwaway column
     table = torch.full((*s.shape[:-1], nblk + 1), float("-inf"), device=s.device)
-    table = table.scatter_reduce(-1, i, s, reduce="amax", include_self=True)[..., :nblk]
+    if disjoint:
+        table = table.scatter(-1, i, s)[..., :nblk]
+    else:
+        table = table.scatter_reduce(-1, i, s, reduce="amax", include_self=True)[..., :nblk]
     return top_blocks(table, min(topk, nblk), topk_fn)[1]

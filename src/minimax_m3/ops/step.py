@@ -431,7 +431,7 @@ def attention_step(q_local: torch.Tensor, k_prior: torch.Tensor | None, v_prior:
         if cands is not None:
             cands = group.all_gather(cands.unsqueeze(0), 0)
     if cands is not None:
-        blocks = merge_candidates(cands[..., 0], cands[..., 1].to(torch.int64), nblk, sel.topk, topk_fn)
+        blocks = merge_candidates(cands[..., 0], cands[..., 1].to(torch.int64), nblk, sel.topk, topk_fn, unit > 1)
     out, top, total = partial_attention(q, k_prior, v_prior, act, q_pos, start, rank, g, scale, blocks,
                                         None if sel is None else sel.block_size, tile, unit)
     if g == 1:

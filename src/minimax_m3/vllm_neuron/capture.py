@@ -177,7 +177,7 @@ def rank_model(c: M3Config, world: int = 1, rank: int = 0, ep: int = 1, dtype=to
     return model
 
 
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 
 
 @dataclass
@@ -219,11 +219,15 @@ def _mark_collectives(gm) -> int:
             elif name == "all_gather_into_tensor":
                 size, reduce = node.args[1], "none"
                 new = g.call_function(aten.repeat.default, (x, [size] + [1] * (dims - 1)))
+            elif name == "all_to_all_single":  # even parts along dim 0 (the DCP step's exchange): the same shape
+                size, reduce = _resolve_process_group(node.args[3]).size(), "none"
+                new = g.call_function(aten.abs.default, (x,))
             else:
                 size, reduce = node.args[2], node.args[1]
                 part = x.meta["val"].shape[0] // size
                 new = g.call_function(aten.slice.Tensor, (g.call_function(aten.abs.default, (x,)), 0, 0, part))
-        kind = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather"}.get(name, "reduce-scatter")
+        kind = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
+                "all_to_all_single": "all-to-all"}.get(name, "reduce-scatter")
         for m in (new, *new.all_input_nodes):
             if m is not x:
                 frame = f'  File "{collective_marker(kind, reduce, size, n)}", line 1, in collective\n'
