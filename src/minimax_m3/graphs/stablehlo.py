@@ -366,7 +366,8 @@ def to_hlo(text: str, aliases: dict[int, int] | None = None):
 def restore_collectives(text: str) -> str:
     """``text`` with each marked stand-in (ops whose innermost location frame is a :func:`collective_marker`)
     replaced by the collective it stands for: one ``stablehlo.all_reduce`` / ``all_gather`` / ``reduce_scatter`` /
-    ``all_to_all`` from the group's input to its last op's result, replica group ``[0 .. GROUP-1]``, at the stand-in's location."""
+    ``all_to_all`` from the group's input to its last op's result, replica group ``[0 .. GROUP-1]``, at the
+    stand-in's location."""
     reader = _Reader(text)
     marks: dict[str, str | None] = {}
 
