@@ -13,8 +13,8 @@ import pytest
 
 from minimax_m3.config import M3Config
 from minimax_m3.planner import (GIB, LAYOUTS, PAGED, PAGED_SEGMENTS, PAGED_SINGLE_SHOT, PAGED_TILE, ChunkError,
-                                FitError, PlanError, cache_bytes, collectives, largest_batch, largest_context, main,
-                                plan, require_fit, ttft)
+                                FitError, PlanError, cache_bytes, collectives, decode_minimum_bytes, largest_batch,
+                                largest_context, main, plan, require_fit, ttft)
 from minimax_m3.planner.cost import decode_itl
 
 M3 = M3Config.preset("m3")
@@ -320,3 +320,161 @@ def test_fp8_experts_by_hand():
     assert fp8.fits and fp8.total_bytes < bf16.total_bytes
     assert largest_context(M3, 64, 64, 1, layout=PAGED, weights="fp8") > \
         largest_context(M3, 64, 64, 1, layout=PAGED)
+
+
+# ---- decode context parallelism (vLLM's --decode-context-parallel-size, ``--dcp``) -----------------------------------
+# The ranks that share a KV head (16 at TP 64) split into sequence shards: block n of every request on DCP rank
+# n mod dcp, each request rounded up to whole virtual blocks of 128 x dcp tokens, so a rank holds 1/dcp of them.
+ONE_M = 1 << 20
+
+
+def hand_dcp_tokens(seq: int, dcp: int) -> int:
+    """Tokens of one request's pages on one rank: ceil(S / (128 x dcp)) blocks of 128."""
+    return -(-seq // (128 * dcp)) * 128
+
+
+def test_dcp_pages_by_hand():
+    one, sixteen = plan(M3, 64, 64, 1, ONE_M, layout=PAGED), plan(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=16)
+    assert sixteen.dcp == 16 and one.dcp == 1
+    assert sixteen.kv_bytes * 16 == one.kv_bytes and sixteen.index_k_bytes * 16 == one.index_k_bytes
+    # ceil(S / (128 dcp)) x 128 tokens x L x 2 (K, V) x 1 KV head x 128 x 2 bytes; the index keys 57 x 128 x 2
+    assert sixteen.kv_bytes == 512 * 128 * 60 * 2 * 1 * 128 * 2 == 65536 * KV_PER_TOKEN  # 1.875 GiB
+    assert sixteen.index_k_bytes == 65536 * 57 * 128 * 2 == 65536 * INDEX_PER_TOKEN
+    # a request is rounded up to whole virtual blocks: 1,000,000 tokens are 489 of 2,048, 62,592 tokens a rank
+    assert hand_dcp_tokens(1_000_000, 16) == 62_592
+    assert cache_bytes(M3, 64, 1, 1_000_000, PAGED, dcp=16) == (62_592 * KV_PER_TOKEN, 62_592 * INDEX_PER_TOKEN)
+    # 3 requests of 1,000 tokens at dcp 2: 4 virtual blocks of 256 each (1,024 tokens), 512 tokens a rank each
+    kv, ik = cache_bytes(M3, 64, 3, 1000, PAGED, dcp=2)
+    assert kv + ik == 3 * 512 * PAGE_BYTES_PER_TOKEN
+    # dcp 1 is the layout as it was
+    assert plan(M3, 64, 64, 8, 131072, layout=PAGED, dcp=1) == plan(M3, 64, 64, 8, 131072, layout=PAGED)
+
+
+def test_dcp_segment_working_memory_by_hand():
+    """At 1M / dcp 16 a rank scores its own 65,536 keys (256 queries x fp32), pools into the whole line's 8,192
+    blocks, gathers the 16 ranks' 16 candidates (fp32 score and id) and lays a dense layer's K and V line of its
+    65,536 keys; the selected blocks' K/V and the selection as without DCP. MoE: unchanged."""
+    p = plan(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=16)
+    kept, _, moe = hand_segment_parts(64, ONE_M)
+    t, keys = 256, 65536
+    attention = (2 * t * 16 * 128 * D * 2 + t * 16 * 128 * 2 * 4 + t * keys * 4 + t * 8192 * 4 + t * 16 * 8
+                 + t * 16 * 16 * 2 * 4 + 2 * keys * DI * 2)
+    assert dict(p.phases) == {"attention tile": attention, "MoE": moe}
+    assert p.prefill_bytes == kept + max(attention, moe)
+
+
+def test_dcp_largest_context_by_hand():
+    """Whole virtual blocks (2,048 tokens) left after weights, reserve and one 8K segment: the largest S with both
+    ``base + attention(S) + S / 16 x 45,312`` and ``base + moe + S / 16 x 45,312`` within the rank, attention(S) =
+    the sparse tile's fixed bytes + S / 16 x (256 x 4 index scores + 512 line) + S / 128 x 256 x 4 pooled."""
+    kept, _, moe = hand_segment_parts(64, 131072)
+    t = 256
+    fixed = 2 * t * 16 * 128 * D * 2 + t * 16 * 128 * 2 * 4 + t * 16 * 8 + t * 16 * 16 * 2 * 4
+    room = RANK - hand_weights(64) - RESERVE - kept
+    by_attention = (room - fixed) * 16 // (PAGE_BYTES_PER_TOKEN + t * 4 + 2 * DI * 2 + t * 4 * 16 // 128)
+    by_moe = (room - moe) * 16 // PAGE_BYTES_PER_TOKEN
+    n = largest_context(M3, 64, 64, 1, layout=PAGED, dcp=16)
+    assert n == min(by_attention, by_moe) // 2048 * 2048 == 2_727_936
+    assert plan(M3, 64, 64, 1, n, layout=PAGED, dcp=16).fits
+    assert not plan(M3, 64, 64, 1, n + 2048, layout=PAGED, dcp=16).fits
+    assert largest_context(M3, 64, 64, 1, layout=PAGED, weights="fp8", dcp=16) > n
+
+
+def test_dcp_segments():
+    # the prefill buckets are multiples of dcp x 128: 2,048 at dcp 16 (so 512 and 1,024 are refused), 1,024 at 8
+    for s in (2048, 4096, 8192):
+        assert plan(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=16, chunk=s).chunk == s
+    assert plan(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=8, chunk=1024).chunk == 1024
+    assert plan(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=4, chunk=512).chunk == 512
+    with pytest.raises(ChunkError, match=r"prefill segment \(--chunk\) 1024: with --dcp 16 .* multiples of dcp x "
+                                         r"block = 16 x 128 = 2048 tokens .* one of 2048, 4096, 8192"):
+        plan(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=16, chunk=1024)
+    with pytest.raises(ChunkError, match=r"multiples of dcp x block = 8 x 128 = 1024 tokens .* one of 1024, 2048"):
+        plan(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=8, chunk=512)
+    # a short prompt in one call: rounded up to the virtual block (the default), not the prompt's own length
+    assert plan(M3, 64, 64, 1, 5000, layout=PAGED, dcp=16).chunk == 6144
+    assert plan(M3, 64, 64, 1, 5000, layout=PAGED, dcp=16, chunk=6144).chunk == 6144
+    with pytest.raises(ChunkError, match=r"--seq rounded up to 2048 \(--chunk 6144\)"):
+        plan(M3, 64, 64, 1, 5000, layout=PAGED, dcp=16, chunk=5000)
+
+
+def test_dcp_refused():
+    with pytest.raises(PlanError, match=r"--decode-context-parallel-size 3: 16 rank\(s\) hold each of the 4 KV heads "
+                                        r"at --tensor-parallel-size 64; .* use one of \[1, 2, 4, 8, 16\]"):
+        plan(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=3)
+    with pytest.raises(PlanError, match=r"use one of \[1, 2, 4, 8, 16\]"):
+        plan(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=32)
+    for layout in ("sharded", "replicated"):
+        with pytest.raises(PlanError, match=r"--dcp 16: decode context parallelism is the paged layout's \(vLLM's "
+                                            r"--decode-context-parallel-size\)"):
+            plan(M3, 64, 64, 1, 131072, layout=layout, dcp=16)
+
+
+def _rows(rows: list[dict]) -> list[tuple]:
+    return [(r["name"], r["kind"], r["ranks"], r["dtype"], r["bytes"], r["count"]) for r in rows]
+
+
+def test_dcp_collectives_by_hand():
+    """The attention step over the dcp ranks (ops.step.COLLECTIVES): per sparse layer one fp32 all-gather of the
+    group's query heads and the ranks' 16 candidates (score, id), per dense layer a bf16 all-gather of the query
+    heads, then per layer one fp32 all-to-all of the partial outputs with their max and sum: 2 more a layer."""
+    one = collectives(M3, 64, 64, 1, PAGED)
+    rows = collectives(M3, 64, 64, 1, PAGED, dcp=16)
+    assert sum(r["count"] for r in rows) - sum(r["count"] for r in one) == 2 * 60
+    assert sum(r["count"] for r in one) == 122 and sum(r["count"] for r in rows) == 242
+    assert _rows(rows) == [("embedding", "all-reduce", 64, "bf16", H * 2, 1),
+                           ("group queries", "all-gather", 16, "bf16", 16 * 128 * 2, 3),
+                           ("group queries + selection candidates", "all-gather", 16, "fp32",
+                            (16 * 128 + 16 * 1 * 16 * 2) * 4, 57),
+                           ("partial outputs + max + sum", "all-to-all", 16, "fp32", 16 * 130 * 4, 60),
+                           ("attention output", "all-reduce", 64, "bf16", H * 2, 60),
+                           ("MLP / MoE output", "all-reduce", 64, "bf16", H * 2, 60),
+                           ("LM head logits", "all-gather", 64, "fp32", 200064 * 4, 1)]
+    # dcp 4: the query heads of 4 ranks
+    assert [r["bytes"] for r in collectives(M3, 64, 64, 1, PAGED, dcp=4)][1:4] == \
+        [4 * 128 * 2, (4 * 128 + 4 * 16 * 2) * 4, 4 * 130 * 4]
+    # a prefill segment: the query heads, then (sparse layers) the candidates apart; no query split of the selection
+    pre = collectives(M3, 64, 64, 8192, PAGED, logit_rows=1, phase="prefill", dcp=16)
+    names = [(r["name"], r["count"]) for r in pre]
+    assert ("group queries", 60) in names and ("selection candidates", 57) in names
+    assert ("partial outputs + max + sum", 60) in names
+    assert not any(n.startswith("selection ids") for n, _ in names)
+
+
+def test_dcp_decode_itl_by_hand():
+    """At 1M tokens, batch 1, ep 64: the index keys scored and the dense layers' K/V read are each rank's 65,536
+    tokens; the 16 selected blocks' K/V read whole (the graph gathers every selected block, masking the ones another
+    rank holds); 242 collectives, each under 25 us on the link at batch 1."""
+    dcp1 = decode_minimum_bytes(M3, 64, 64, 1, ONE_M, layout=PAGED)
+    dcp16 = decode_minimum_bytes(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=16)
+    assert dcp16["kv_sparse"] == dcp1["kv_sparse"] == 16 * 128 * 512 * SPARSE
+    assert dcp16["index_k"] * 16 == dcp1["index_k"] and dcp16["index_k"] == 65536 * DI * 2 * SPARSE
+    assert dcp16["kv_dense"] * 16 == dcp1["kv_dense"] and dcp16["kv_dense"] == 65536 * 512 * DENSE
+    read = (hand_weights(64) - 2 * VOCAB_RANK * H * 2 + (VOCAB_RANK + 1) * H * 2
+            + 16 * 128 * 512 * SPARSE + 65536 * DI * 2 * SPARSE + 65536 * 512 * DENSE)
+    itl = decode_itl(M3, 64, 64, 1, ONE_M, layout=PAGED, dcp=16)
+    assert itl.bytes == read and itl.collectives == 242
+    assert itl.total_s == pytest.approx(read / HBM + 242 * 25e-6, rel=1e-12)
+    assert f"{itl.total_s * 1e3:.2f}" == "26.64"
+
+
+def test_dcp_cli(capsys):
+    rc, out = _run(capsys, "--tp", "64", "--ep", "64", "--batch", "1", "--seq", str(ONE_M), "--layout", "paged",
+                   "--dcp", "16")
+    assert rc == 0 and "paged caches (vLLM Neuron, DCP 16); per rank:" in out
+    assert _gib(out, "KV cache") == round(65536 * KV_PER_TOKEN / GIB, 2) == 1.88
+    assert "decode ITL estimate at batch 1, 1048576 tokens: 26.64 ms per step" in out and "242 collectives" in out
+    assert "note: decode context parallelism 16 (vLLM's --decode-context-parallel-size)" in out
+    assert "paged (vLLM Neuron, segments, DCP 16)" in out
+    assert re.search(r"^largest context at batch 1: replicated [\d,]+ tokens; sharded [\d,]+ tokens; paged \(DCP 16\) "
+                     r"2,727,936 tokens", out, re.M)
+    # refusals: one line, exit 2
+    for argv, said in ((["--layout", "paged", "--dcp", "3"], "minimax-m3 plan: --decode-context-parallel-size 3"),
+                       (["--dcp", "16"], "minimax-m3 plan: --dcp 16: decode context parallelism is the paged"),
+                       (["--layout", "paged", "--dcp", "16", "--chunk", "512"],
+                        "minimax-m3 plan: prefill segment (--chunk) 512: with --dcp 16")):
+        rc, out = _run(capsys, "--batch", "1", "--seq", str(ONE_M), *argv)
+        assert rc == 2 and out.startswith(said) and out.count("\n") == 1
+    # without --dcp the output is as before
+    _, out = _run(capsys, "--batch", "1", "--seq", "131072", "--layout", "paged")
+    assert "DCP" not in out and "decode context parallelism" not in out

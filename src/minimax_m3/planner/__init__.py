@@ -14,9 +14,10 @@ Layouts: ``sharded`` (the sequence-sharded caches, docs/long_context_port.md) is
 the library's default; caches split over the G ranks of a KV group, prompts prefilled in calls of C tokens);
 ``replicated`` is NxDI's GQA layout (each KV head's caches copied on its G ranks, a prompt in one call), the port's
 ``kv_layout="replicated"``; ``paged`` is the vLLM Neuron model's (:mod:`minimax_m3.vllm_neuron`: vLLM's pages,
-replicated per KV group like ``replicated``, prompts prefilled in segments of C tokens, ``--chunk`` the segment; bf16
-only). Arithmetic from the config, not a measurement: nothing here has run on Trainium. Pure
-Python; it imports nothing from NxDI. """
+replicated per KV group like ``replicated``, prompts prefilled in segments of C tokens, ``--chunk`` the segment,
+``--dcp N`` vLLM's decode context parallelism: each request's pages dealt by block over N ranks; bf16 pages only).
+Arithmetic from the config, not a measurement: nothing here has run on Trainium. Pure Python; it imports nothing from
+NxDI. """
 
 from .cli import add_arguments, format_plan, main, register, run
 from .cost import (COLLECTIVE_LATENCY_S, LINK_BYTES_PER_S, PEAK_FLOPS_PER_S, Ttft, chunk_bytes, chunk_flops,

@@ -2,7 +2,8 @@
 fused EAGLE3 step, at ``--collective-latency-us`` per collective), the sharded layout's collectives, the three
 layouts side by side for contexts 4K..1M, the largest context and batch that fit, and with ``--speculative K`` the
 projection of speculative decoding (tokens/s per sequence, batch 1-32, acceptance 1.5-3.5). ``--layout paged`` is
-the vLLM Neuron model's (``--chunk``: its prefill segment); its TTFT and fused EAGLE3 step are not modelled."""
+the vLLM Neuron model's (``--chunk``: its prefill segment; ``--dcp``: vLLM's decode context parallelism); its TTFT and
+fused EAGLE3 step are not modelled."""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def format_itl(c: M3Config, p: MemoryPlan, latency_s: float = COLLECTIVE_LATENCY
     per step and per token; the paged layout's second line says it is not covered. With expert parallelism, a third
     line gives the other ``--decode-experts`` choice (:func:`format_decode_experts`). A decode step reads the
     experts at :attr:`MemoryPlan.decode_ep`."""
-    plain = decode_itl(c, p.tp, p.decode_ep, p.batch, cache_tokens(c, p.tp, p.seq, p.layout), p.weights, p.kv_dtype,
-                       p.layout, latency_s)
+    plain = decode_itl(c, p.tp, p.decode_ep, p.batch, cache_tokens(c, p.tp, p.seq, p.layout, p.dcp), p.weights,
+                       p.kv_dtype, p.layout, latency_s, p.dcp)
     at = f"at batch {p.batch}, {p.seq} tokens"
     line = f"decode ITL estimate {at}: {plain.total_s * 1e3:.2f} ms per step = {_itl(plain, latency_s)}"
     if p.layout not in KV_LAYOUTS:
@@ -124,7 +125,8 @@ def format_plan(p: MemoryPlan, c: M3Config, parts: dict[str, int] | None = None,
     lines = [f"MiniMax-M3 on tp={p.tp} ep={p.ep} (moe_tp={parallel.moe_tp(p.tp, p.ep)}), batch={p.batch}, seq={p.seq}, "
              f"prefill batch={p.ctx_batch}, weights {p.weights}"
              f"{', decode experts tp (a copy)' if p.decode_experts == 'tp' else ''}, KV {p.kv_dtype}, {p.layout} caches"
-             f"{' (vLLM Neuron)' if p.layout == PAGED else ''}; per rank:"]
+             f"{(' (vLLM Neuron' + (f', DCP {p.dcp}' if p.dcp > 1 else '') + ')') if p.layout == PAGED else ''}; "
+             "per rank:"]
     lines.append(f"  weights              {gib(p.weight_bytes)}")
     for name, n in (parts or {}).items():
         lines.append(f"    {name:<19}{gib(n)}")
@@ -174,16 +176,16 @@ def format_collectives(c: M3Config, tp: int, ep: int, batch: int, chunk: int, la
 
 
 def _cells(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, layout: str, chunk: int | None,
-           latency_s: float) -> str:
+           latency_s: float, dcp: int = 1) -> str:
     width = 29 if layout == PAGED else 38
     try:
-        p = plan(c, tp, ep, batch, seq, layout=layout, chunk=chunk, **kw)
+        p = plan(c, tp, ep, batch, seq, layout=layout, chunk=chunk, **kw, **({"dcp": dcp} if dcp > 1 else {}))
     except ChunkError:
         return f"{'chunk > context':>{width}}"
     except PlanError:  # the paged layout refusing the options
         return f"{_refused(kw):>{width}}"
-    floor = decode_floor_ms(c, tp, p.decode_ep, batch, cache_tokens(c, tp, seq, layout), p.weights, p.kv_dtype,
-                            layout)
+    floor = decode_floor_ms(c, tp, p.decode_ep, batch, cache_tokens(c, tp, seq, layout, p.dcp), p.weights, p.kv_dtype,
+                            layout, p.dcp)
     head = f"{p.chunk:>6} " if layout != "replicated" else ""
     if layout == PAGED:  # no TTFT model
         return f"{head}{p.total_bytes / GIB:7.2f} {'yes' if p.fits else 'no':>4} {floor:9.2f}"
@@ -207,45 +209,47 @@ def _segment(chunk: int | None) -> int | None:
 
 def format_table(c: M3Config, tp: int, ep: int, batch: int, kw: dict, chunk: int | None = None,
                  contexts: tuple[int, ...] = CONTEXTS, latency_s: float = COLLECTIVE_LATENCY_S,
-                 segment: int | None = None) -> str:
+                 segment: int | None = None, dcp: int = 1) -> str:
     """The layouts side by side per context: total GiB, fits, decode floor (ms), TTFT (s, prompt = context; not for
-    the paged layout). ``chunk``: the sharded layout's; ``segment``: the paged layout's."""
+    the paged layout). ``chunk``: the sharded layout's; ``segment``, ``dcp``: the paged layout's."""
     g = tp // c.num_kv_heads if tp > c.num_kv_heads else 1
     lines = [f"batch {batch}, tp {tp} / ep {ep}, {kw.get('weights', 'bf16')} experts, KV {kw.get('kv_dtype', 'bf16')}"
              f", GiB per rank of {kw.get('hbm_gib', HBM_PER_RANK_GIB):.2f}; TTFT of a prompt as long as the context:",
              f"{'':>8} | {'replicated (GQA copies)':<32} | {f'sharded (caches / {g}, chunked prefill)':<47} | "
-             "paged (vLLM Neuron, segments)",
+             f"paged (vLLM Neuron, segments{f', DCP {dcp}' if dcp > 1 else ''})",
              f"{'context':>8} | {'GiB':>7} {'fits':>4} {'decode ms':>9} {'TTFT s':>8} | {'chunk':>6} {'GiB':>7} "
              f"{'fits':>4} {'decode ms':>9} {'TTFT s':>8} | {'seg':>6} {'GiB':>7} {'fits':>4} {'decode ms':>9}"]
     for s in contexts:
         lines.append(f"{_ctx(s):>8} | {_cells(c, tp, ep, batch, s, kw, 'replicated', None, latency_s)} | "
                      f"{_cells(c, tp, ep, batch, s, kw, 'sharded', chunk, latency_s)} | "
-                     f"{_cells(c, tp, ep, batch, s, kw, PAGED, _segment(segment), latency_s)}")
+                     f"{_cells(c, tp, ep, batch, s, kw, PAGED, _segment(segment), latency_s, dcp)}")
     return "\n".join(lines)
 
 
 def format_largest(c: M3Config, tp: int, ep: int, batch: int, seq: int, kw: dict, chunk: int | None = None,
-                   segment: int | None = None) -> str:
+                   segment: int | None = None, dcp: int = 1) -> str:
     """The largest context at ``batch`` and the largest batch at ``seq`` of each layout (``chunk``: the sharded
-    layout's, ``segment``: the paged layout's; a layout the options rule out says why instead)."""
+    layout's, ``segment`` and ``dcp``: the paged layout's; a layout the options rule out says why instead)."""
     chunks = {"replicated": None, "sharded": chunk, PAGED: segment}
     at_any = {**chunks, PAGED: _segment(segment)}  # the chunks held while the context varies
     ctx, bat = {}, {}
     for lay in LAYOUTS:
+        kw_lay = {**kw, "dcp": dcp} if lay == PAGED and dcp > 1 else kw
         try:
-            n = largest_context(c, tp, ep, batch, layout=lay, chunk=at_any[lay], **kw)
+            n = largest_context(c, tp, ep, batch, layout=lay, chunk=at_any[lay], **kw_lay)
             ctx[lay] = f"{n:,} tokens"
         except PlanError:  # the paged layout refusing the options
             ctx[lay] = _refused(kw)
         try:
-            bat[lay] = str(largest_batch(c, tp, ep, seq, layout=lay, chunk=chunks[lay], **kw))
+            bat[lay] = str(largest_batch(c, tp, ep, seq, layout=lay, chunk=chunks[lay], **kw_lay))
         except ChunkError:
             bat[lay] = "chunk > context"
         except PlanError:
             bat[lay] = _refused(kw)
-    return (f"largest context at batch {batch}: " + "; ".join(f"{lay} {n}" for lay, n in ctx.items())
+    named = {PAGED: f"{PAGED} (DCP {dcp})"} if dcp > 1 else {}
+    return (f"largest context at batch {batch}: " + "; ".join(f"{named.get(lay, lay)} {n}" for lay, n in ctx.items())
             + f" (the model has {c.max_position_embeddings:,} positions)\n"
-            + f"largest batch at {seq:,} tokens: " + "; ".join(f"{lay} {n}" for lay, n in bat.items()))
+            + f"largest batch at {seq:,} tokens: " + "; ".join(f"{named.get(lay, lay)} {n}" for lay, n in bat.items()))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -262,6 +266,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="sharded: tokens per prefill call, a multiple of lcm(block, G) (default: chosen); with "
                          "--layout paged: the prefill segment, vLLM Neuron's max_num_batched_tokens, one of "
                          "512..8192 (default 8192, or --seq when shorter)")
+    ap.add_argument("--dcp", type=int, default=1, metavar="N",
+                    help="vLLM Neuron's --decode-context-parallel-size, paged layout only: each request's pages dealt "
+                         "by whole blocks over N of the ranks that share a KV head (N divides tp / KV heads; "
+                         "default 1)")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="routed-expert weight format")
     ap.add_argument("--decode-experts", choices=parallel.DECODE_EXPERTS, default="ep",
                     help="how decode reads the routed experts: ep (default), the prefill's expert shards, every "
@@ -322,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
         draft = _draft(args.draft)
         segment = args.chunk if args.layout == PAGED else None  # --chunk is the paged layout's segment there
         p = plan(c, args.tp, args.ep, args.batch, args.seq, ctx_batch=args.ctx_batch, layout=args.layout,
-                 chunk=None if args.layout == "replicated" else args.chunk, **kw)
+                 chunk=None if args.layout == "replicated" else args.chunk, dcp=args.dcp, **kw)
         shard_chunk = None if args.layout == PAGED else args.chunk
         sharded_chunk = plan(c, args.tp, args.ep, args.batch, args.seq, layout="sharded", chunk=shard_chunk,
                              **kw).chunk
@@ -331,8 +339,9 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(format_collectives(c, args.tp, args.ep, args.batch, sharded_chunk, lat))
         print()
-        print(format_table(c, args.tp, args.ep, args.batch, kw, shard_chunk, latency_s=lat, segment=segment))
-        print(format_largest(c, args.tp, args.ep, args.batch, args.seq, kw, shard_chunk, segment))
+        print(format_table(c, args.tp, args.ep, args.batch, kw, shard_chunk, latency_s=lat, segment=segment,
+                           dcp=args.dcp))
+        print(format_largest(c, args.tp, args.ep, args.batch, args.seq, kw, shard_chunk, segment, args.dcp))
         if args.speculative:
             print()
             rows = project(c, args.tp, p.decode_ep, args.seq, args.speculative, args.weights, args.kv_dtype, draft,

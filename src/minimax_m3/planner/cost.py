@@ -57,8 +57,8 @@ def weights_read(c: M3Config, tp: int, ep: int, tokens: int, weights: str = "bf1
 
 
 def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weights: str = "bf16",
-                         kv_dtype: str = "bf16", dtype_bytes: int = BF16, layout: str = PORT_LAYOUT, tokens: int = 1
-                         ) -> dict[str, int]:
+                         kv_dtype: str = "bf16", dtype_bytes: int = BF16, layout: str = PORT_LAYOUT, tokens: int = 1,
+                         dcp: int = 1) -> dict[str, int]:
     """Bytes one token-generation step over caches of ``bucket`` tokens must read per rank: ``batch`` rows of
     ``tokens`` tokens each (1: a decode step; ``k + 1``: a speculative verify step, NxDI's speculation graph).
 
@@ -69,7 +69,10 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     * dense layers' K/V: ``batch x bucket / G' x kv_heads x head_dim x 2`` per dense layer (once per row);
 
     G' = 1 for the ``replicated`` and ``paged`` layouts, G (each rank reads its 1/G of every block and key, rounded
-    up) for ``sharded`` (the port's). The graph report compares each traced graph against its own layout's.
+    up) for ``sharded`` (the port's). ``paged`` with ``dcp`` > 1 (vLLM's decode context parallelism): each rank scores
+    its own blocks and reads its own dense lines, ``ceil(bucket / (block x dcp)) x block`` keys, but gathers all the
+    selected blocks (a static ``K`` per query, those another rank holds masked: the same bytes). The graph report
+    compares each traced graph against its own layout's.
     ``dtype_bytes`` is the model's element size (4 for a float32 trace): it scales every bf16 weight and, with
     ``kv_dtype="bf16"``, the caches (fp32 routers and fp8 experts keep their size). The one home of the verify
     step's minimum: the graph report's and the speculative projection's (:func:`.speculative.target_step`)."""
@@ -78,7 +81,7 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     kvb = dtype_bytes if kv_dtype == "bf16" else 1
     per_token_kv = _heads(c, c.num_kv_heads, tp) * c.head_dim * 2 * kvb
     n_sparse = sum(c.sparse_layers)
-    keys = -(-bucket // g)
+    keys = -(-bucket // (c.index_block_size * dcp)) * c.index_block_size if dcp > 1 else -(-bucket // g)
     return {
         "weights": w,
         "kv_sparse": batch * tokens * -(-min(c.index_topk * c.index_block_size, bucket) // g) * per_token_kv
@@ -89,9 +92,9 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
 
 
 def decode_floor_ms(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weights: str = "bf16",
-                    kv_dtype: str = "bf16", layout: str = PORT_LAYOUT) -> float:
+                    kv_dtype: str = "bf16", layout: str = PORT_LAYOUT, dcp: int = 1) -> float:
     """The HBM floor of one token-generation step: :func:`decode_minimum_bytes` at 725 GB/s per logical core."""
-    b = decode_minimum_bytes(c, tp, ep, batch, bucket, weights, kv_dtype, layout=layout)
+    b = decode_minimum_bytes(c, tp, ep, batch, bucket, weights, kv_dtype, layout=layout, dcp=dcp)
     return sum(b.values()) / HBM_BYTES_PER_S * 1e3
 
 
@@ -121,12 +124,12 @@ def step_itl(nbytes: int, rows: list[dict], latency_s: float = COLLECTIVE_LATENC
 
 
 def decode_itl(c: M3Config, tp: int, ep: int, batch: int, bucket: int, weights: str = "bf16", kv_dtype: str = "bf16",
-               layout: str = PORT_LAYOUT, latency_s: float = COLLECTIVE_LATENCY_S) -> Itl:
+               layout: str = PORT_LAYOUT, latency_s: float = COLLECTIVE_LATENCY_S, dcp: int = 1) -> Itl:
     """The ITL estimate of a plain decode step at ``batch`` over caches of ``bucket`` tokens (host sampling):
     :func:`step_itl` of :func:`decode_minimum_bytes` (the HBM floor, :func:`decode_floor_ms`) and the step's
-    :func:`collectives`."""
-    b = decode_minimum_bytes(c, tp, ep, batch, bucket, weights, kv_dtype, layout=layout)
-    return step_itl(sum(b.values()), collectives(c, tp, ep, batch, layout), latency_s)
+    :func:`collectives` (``dcp``: the paged layout's decode context parallelism)."""
+    b = decode_minimum_bytes(c, tp, ep, batch, bucket, weights, kv_dtype, layout=layout, dcp=dcp)
+    return step_itl(sum(b.values()), collectives(c, tp, ep, batch, layout, dcp=dcp), latency_s)
 
 
 def _per_token_flops(c: M3Config, tp: int) -> int:
@@ -231,7 +234,7 @@ def chunk_bytes(c: M3Config, tp: int, ep: int, start: int, chunk: int, seq: int,
 
 
 def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "sharded", logit_rows: int | None = None,
-                phase: str = "decode", chunked: bool = True, row_tokens: int = 1) -> list[dict]:
+                phase: str = "decode", chunked: bool = True, row_tokens: int = 1, dcp: int = 1) -> list[dict]:
     """The collectives of one forward pass over ``tokens`` tokens (a decode step at batch b: b, ``phase="decode"``;
     a speculative verify step: ``b x (k + 1)`` with ``row_tokens = k + 1``, ``phase="decode"``; a sharded prefill
     call: C, ``phase="prefill"``), one row each: ``name``, ``kind``, ``ranks`` (the group it runs over), ``dtype``,
@@ -259,13 +262,19 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
     scores and block ids, exact below 2^24); then one all-to-all by head of the partial outputs with their softmax
     max and sum (fp32 ``[T, qg, d + 2]``). The index queries need none: every rank of a group projects its group's
     index head. A prefill call of a prompt taken in one call (``chunked=False``) runs its dense layers on the rank
-    alone (the call's own keys: NxDI's flash kernel), without the group's collectives."""
+    alone (the call's own keys: NxDI's flash kernel), without the group's collectives.
+    ``paged`` with ``dcp`` > 1 (vLLM's decode context parallelism: ``dcp`` ranks of a KV head, each holding whole
+    blocks of its pages): the sharded layout's group collectives (``ops.step.COLLECTIVES``) over those ``dcp`` ranks,
+    ``qg`` their query heads, in every attention layer of a decode step or prefill segment (every key in the pages),
+    and no query split of a segment's selection (the model runs none under DCP)."""
     n_sparse = sum(c.sparse_layers)
     h, d, L = c.hidden_size, c.head_dim, c.num_layers
     kv, iq, g = _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp), parallel.kv_group_size(c, tp)
     qg = c.q_per_kv * kv
+    if layout == PAGED and dcp > 1:  # the group's step over the DCP ranks
+        g, qg = dcp, _heads(c, c.num_heads, tp) * dcp
     rows = []
-    if layout == "sharded" and g > 1:
+    if (layout == "sharded" or layout == PAGED and dcp > 1) and g > 1:
         queries = dict(name="group queries", kind="all-gather", ranks=g, dtype="bf16", bytes=tokens * qg * d * BF16)
         grouped = L if phase == "decode" or chunked else n_sparse  # layers that run the group's step
         if phase == "decode" and row_tokens < ONE_GATHER_TOKENS:
@@ -279,7 +288,7 @@ def collectives(c: M3Config, tp: int, ep: int, tokens: int, layout: str = "shard
         rows.append(dict(name="partial outputs + max + sum", kind="all-to-all", ranks=g, dtype="fp32",
                          bytes=tokens * qg * (d + 2) * FP32, count=grouped))
     paged = layout == PAGED
-    if paged and phase == "prefill" and QuerySplit.splits(tokens, g):
+    if paged and dcp == 1 and phase == "prefill" and QuerySplit.splits(tokens, g):
         # a segment's index selection split by query over the g ranks holding a KV head (ops.QuerySplit): one
         # all-gather of the int64 block ids [T / g, K] per sparse layer, over the TP group
         rows.append(dict(name="selection ids (queries split over a KV head's ranks)", kind="all-gather", ranks=tp,

@@ -40,9 +40,10 @@ def _largest(fits, step: int, lo: int, limit: int) -> int:
 def largest_context(c: M3Config, tp: int, ep: int, batch: int, limit: int = CONTEXT_LIMIT, **kw) -> int:
     """The largest context (a multiple of the layout's cache multiple) that fits at ``batch``; ``kw`` as
     :func:`plan` (``layout``, ``chunk``, ``weights``, ...). With a fixed sharded ``chunk`` contexts start at the
-    chunk (a paged segment may be longer than the context: the plugin compiles it all the same)."""
+    chunk (a paged segment may be longer than the context: the plugin compiles it all the same; with ``dcp`` contexts
+    are whole virtual blocks of ``block x dcp``)."""
     layout = kw.get("layout", PORT_LAYOUT)
-    step = cache_multiple(c, tp, layout)
+    step = cache_multiple(c, tp, layout, kw.get("dcp", 1))
     lo = max(step, kw.get("chunk") or step) if layout == "sharded" else step
     return _largest(lambda s: plan(c, tp, ep, batch, s, **kw).fits, step, lo, limit)
 
@@ -71,7 +72,8 @@ def require_fit(c: M3Config, tp: int, ep: int, batch: int, seq: int, **kw) -> Me
     ctx, bat = largest_context(c, tp, ep, batch, **kw), largest_batch(c, tp, ep, seq, **kw)
     g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
     calls = {"sharded": f", prefill calls of {p.chunk} tokens",
-             "paged": f", prefill segments of {p.chunk} tokens"}.get(p.layout, "")
+             "paged": f", prefill segments of {p.chunk} tokens" + (f", DCP {p.dcp}" if p.dcp > 1 else "")
+             }.get(p.layout, "")
     copy = ", a decode copy of the experts (--decode-experts tp)" if p.decode_experts == "tp" else ""
     problems = [
         f"batch {batch} x {seq} tokens ({p.layout} caches{calls}, {p.weights} experts{copy}) needs "

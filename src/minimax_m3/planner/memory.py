@@ -19,7 +19,9 @@ Three cache layouts (``LAYOUTS``); G = ``tp / num_kv_heads`` is the group of ran
   (vLLM Neuron's ``max_num_batched_tokens``: one of its segment sizes, :func:`segment_problems`), each reading the
   pages the earlier ones wrote: the working memory of ONE segment at any context, unlike ``replicated``'s one call
   of the whole prompt. bf16 or fp8 routed experts (the plugin's ``quantization: "fp8"``), bf16 pages only (what the
-  model serves today).
+  model serves today). With vLLM's decode context parallelism (``dcp``, ``--decode-context-parallel-size``: dcp
+  divides G, ``parallel.dcp_problems``) the pages of every request are dealt by whole blocks over dcp ranks (block n
+  on rank n mod dcp): each request in whole virtual blocks of ``block x dcp`` tokens, 1/dcp of them per rank.
 
 Terms, per rank (b batch, S context rounded up to the cache multiple, d head_dim, di index_head_dim, q / kv / iq
 query / KV / index heads of the rank, qg = ``q_per_kv x kv`` query heads of the rank's KV groups, B block, K top-k,
@@ -27,7 +29,8 @@ kB = ceil(B / G) keys per block per rank, k' = min(K, ceil(S / B)) selected bloc
 
 * weights (:func:`weight_bytes`), the same for every layout;
 * KV cache ``b x S / G' x L x 2 x kv x d`` and index-K ``b x S / G' x L_sparse x di`` (cache dtype), G' = 1
-  replicated and paged (S in whole pages per request), G sharded (:func:`cache_bytes`);
+  replicated and paged (S in whole pages per request; with DCP in whole ``block x dcp`` and G' = dcp), G sharded
+  (:func:`cache_bytes`);
 * prefill, replicated (T = ctx_batch x S tokens): persistent ``[T, hidden]`` x 4 activations, projections and
   logits (:func:`prefill_persistent_bytes`) plus the larger of one attention query tile
   (:func:`attention_tile_bytes`) and the MoE (:func:`prefill_phases`);
@@ -36,8 +39,10 @@ kB = ceil(B / G) keys per block per rank, k' = min(K, ceil(S / B)) selected bloc
   it copies per block) and the segment's attention: one query tile of the model's ``attention_tile``
   (:data:`PAGED_TILE`; a dense read's tile capped as ``ops.step`` caps it, :func:`dense_tile`) against the pages
   up to S (:func:`attention_tile_bytes`, the replicated layout's tile terms) plus the line it lays end to end
-  (:func:`paged_line_bytes`). A decode step's lines (``b x S`` x the same width: for M3 512 of the pages' 45,312
-  bytes per token) stay below a segment's working memory wherever the pages fit a 24 GiB rank: not counted;
+  (:func:`paged_line_bytes`); with DCP the keys a rank scores and reads densely, and its line, are its own
+  S / dcp, the pooled block scores the whole line's, and the candidates of its dcp ranks gathered. A decode step's
+  lines (``b x S`` x the same width: for M3 512 of the pages' 45,312 bytes per token) stay below a segment's
+  working memory wherever the pages fit a 24 GiB rank: not counted;
 * prefill, sharded (T = C, one request per call): the same persistent terms for C tokens plus the larger of the
   MoE for C tokens (:func:`moe_bytes`) and the attention of the chunk's C queries against keys up to S
   (:func:`sharded_attention_bytes`): a sparse layer's group queries ``C x qg x d`` (bf16, all-gathered), gathered
@@ -111,6 +116,7 @@ class MemoryPlan:
     layout: str = "replicated"
     group: int = 1  # G: ranks sharing a KV head (the sharded caches are split G ways)
     decode_experts: str = "ep"  # "tp": decode reads a second copy of the routed experts split over all ranks
+    dcp: int = 1  # paged: vLLM's decode_context_parallel_size (each request's pages dealt by block over dcp ranks)
 
     @property
     def decode_ep(self) -> int:
@@ -134,40 +140,54 @@ def _heads(c: M3Config, heads: int, tp: int) -> int:
     return n
 
 
-def segment_problems(seq: int, chunk: int) -> list[str]:
+def segment_problems(seq: int, chunk: int, dcp: int = 1, block: int = 128) -> list[str]:
     """Why the paged layout cannot prefill a ``seq``-token context in segments of ``chunk`` tokens (empty: it can).
     vLLM Neuron segments a prompt when ``max_num_batched_tokens`` (the segment) is below ``max_model_len``, and then
     only in one of its segment sizes; a context of at most the single-shot limit may instead be one call (the
-    ``compile --dry-run --route vllm-neuron`` rule)."""
-    if chunk in PAGED_SEGMENTS or chunk == seq <= PAGED_SINGLE_SHOT:
+    ``compile --dry-run --route vllm-neuron`` rule). With ``dcp`` > 1 a prefill bucket is a multiple of ``dcp x
+    block`` (each DCP rank writes whole blocks), the single call the prompt rounded up to it."""
+    unit = block * dcp if dcp > 1 else 1
+    whole = -(-seq // unit) * unit
+    if chunk % unit == 0 and (chunk in PAGED_SEGMENTS or chunk == whole <= PAGED_SINGLE_SHOT):
         return []
+    if dcp > 1:
+        fits = [s for s in PAGED_SEGMENTS if s % unit == 0]
+        return [f"prefill segment (--chunk) {chunk}: with --dcp {dcp} (vLLM's --decode-context-parallel-size) "
+                f"vLLM Neuron's prefill buckets are multiples of dcp x block = {dcp} x {block} = {unit} tokens (each "
+                f"DCP rank writes whole blocks): one of {', '.join(map(str, fits)) or 'none of its segments'}, or a "
+                f"whole prompt of at most {PAGED_SINGLE_SHOT} tokens in one call, --seq rounded up to {unit}"
+                + (f" (--chunk {whole})" if whole <= PAGED_SINGLE_SHOT else "")]
     return [f"prefill segment (--chunk) {chunk}: the paged layout prefills in vLLM Neuron's segments of "
             f"max_num_batched_tokens tokens, one of {', '.join(map(str, PAGED_SEGMENTS))}, or a whole prompt of at "
             f"most {PAGED_SINGLE_SHOT} tokens in one call (--chunk = --seq); without --chunk: {PAGED_SEGMENTS[-1]}, "
             "or --seq when shorter"]
 
 
-def segment_tokens(seq: int, chunk: int | None = None) -> int:
+def segment_tokens(seq: int, chunk: int | None = None, dcp: int = 1, block: int = 128) -> int:
     """The paged layout's prefill segment: ``chunk`` where :func:`segment_problems` has none (else one
-    :class:`ChunkError`); by default the largest segment, or the whole prompt when ``seq`` is shorter."""
+    :class:`ChunkError`); by default the largest segment, or the whole prompt when ``seq`` is shorter (with ``dcp``
+    > 1 rounded up to ``dcp x block``)."""
     if chunk is None:
-        return min(seq, PAGED_SEGMENTS[-1])
-    problems = segment_problems(seq, chunk)
+        unit = block * dcp if dcp > 1 else 1
+        return min(-(-seq // unit) * unit, PAGED_SEGMENTS[-1])
+    problems = segment_problems(seq, chunk, dcp, block)
     if problems:
         raise ChunkError(problems)
     return chunk
 
 
-def cache_multiple(c: M3Config, tp: int, layout: str) -> int:
+def cache_multiple(c: M3Config, tp: int, layout: str, dcp: int = 1) -> int:
     """What a context bucket (and, sharded, a prefill chunk) is a multiple of: the index block, and with the
     sharded caches ``lcm(block, G)`` (``parallel.chunk_unit``: every rank writes C / G tokens, chunks start on block
-    boundaries)."""
+    boundaries); paged with ``dcp`` > 1, vLLM's virtual block ``block x dcp``."""
+    if layout == PAGED:
+        return c.index_block_size * dcp
     return parallel.chunk_unit(c, tp) if layout == "sharded" else c.index_block_size
 
 
-def cache_tokens(c: M3Config, tp: int, seq: int, layout: str) -> int:
+def cache_tokens(c: M3Config, tp: int, seq: int, layout: str, dcp: int = 1) -> int:
     """The context bucket: ``seq`` rounded up to :func:`cache_multiple`."""
-    m = cache_multiple(c, tp, layout)
+    m = cache_multiple(c, tp, layout, dcp)
     return -(-seq // m) * m
 
 
@@ -214,11 +234,12 @@ def weight_bytes(c: M3Config, tp: int, ep: int, weights: str = "bf16", decode_ex
     return sum(parts.values()), parts
 
 
-def cache_bytes(c: M3Config, tp: int, batch: int, seq: int, layout: str = PORT_LAYOUT, kv_dtype: str = "bf16"
-                ) -> tuple[int, int]:
-    """Per-rank (KV, index-K) cache bytes for ``batch`` sequences of ``seq`` tokens (rounded up to the bucket)."""
-    s = cache_tokens(c, tp, seq, layout)
-    per_rank = s // parallel.kv_group_size(c, tp, layout)
+def cache_bytes(c: M3Config, tp: int, batch: int, seq: int, layout: str = PORT_LAYOUT, kv_dtype: str = "bf16",
+                dcp: int = 1) -> tuple[int, int]:
+    """Per-rank (KV, index-K) cache bytes for ``batch`` sequences of ``seq`` tokens (rounded up to the bucket; paged
+    with ``dcp``: 1/dcp of each request's virtual blocks)."""
+    s = cache_tokens(c, tp, seq, layout, dcp)
+    per_rank = s // parallel.kv_group_size(c, tp, layout) // dcp
     kvb = BF16 if kv_dtype == "bf16" else 1
     kv = _heads(c, c.num_kv_heads, tp)
     return (batch * per_rank * c.num_layers * 2 * kv * c.head_dim * kvb,
@@ -268,7 +289,7 @@ def chunk_problems(c: M3Config, tp: int, seq: int, chunk: int) -> list[str]:
 
 
 def attention_tile_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chunk: int | None = None,
-                         dense_chunk: int | None = None) -> dict[str, int]:
+                         dense_chunk: int | None = None, dcp: int = 1) -> dict[str, int]:
     """Replicated layout: per-rank bytes one query tile of a one-call prefill creates (its last tile, whose keys
     reach ``seq``), as ``ops.attention_step`` builds it (``tile=chunk`` queries), all counted live at once.
 
@@ -279,22 +300,26 @@ def attention_tile_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chu
     the selection ``chunk x topk`` (int64). Dense layers (NxDI's chunked causal path, no flash kernel): fp32 scores
     and probabilities ``chunk x S`` per query head and the boolean causal mask ``chunk x S`` (``dense_chunk``
     queries where the dense tile is smaller: the paged layout's, :func:`dense_tile`). Returns the terms of the
-    larger of the two."""
+    larger of the two. ``dcp`` > 1 (paged): the index and dense scores over the rank's own blocks, ``seq / dcp``
+    keys, the pooled block scores the whole line's, and the dcp ranks' candidates gathered (fp32 score and id)."""
     chunk = prefill_tile(c, seq) if chunk is None else chunk
     dc = chunk if dense_chunk is None else dense_chunk
     b, bs, k = ctx_batch, c.index_block_size, c.index_topk
     q, kv, iq = _heads(c, c.num_heads, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
     nblk = -(-seq // bs)
-    dense = {"scores and probabilities": b * q * dc * seq * 2 * FP32, "causal mask": b * dc * seq}
+    keys = -(-seq // (bs * dcp)) * bs if dcp > 1 else seq  # the keys a rank holds: its own blocks
+    dense = {"scores and probabilities": b * q * dc * keys * 2 * FP32, "causal mask": b * dc * keys}
     if not any(c.sparse_layers) or nblk <= k:
         return dense
     sparse = {
         "gathered K and V": 2 * b * kv * chunk * k * bs * c.head_dim * BF16,
         "scores and probabilities": b * q * chunk * k * bs * 2 * FP32,
-        "index scores": b * iq * chunk * nblk * bs * FP32,
+        "index scores": b * iq * chunk * -(-keys // bs) * bs * FP32,
         "pooled block scores": b * iq * chunk * nblk * FP32,
         "selection": b * iq * chunk * k * INT64,
     }
+    if dcp > 1:
+        sparse["gathered candidates"] = b * iq * chunk * dcp * k * 2 * FP32
     if all(c.sparse_layers) or sum(sparse.values()) >= sum(dense.values()):
         return sparse
     return dense
@@ -399,18 +424,18 @@ def prefill_persistent_bytes(c: M3Config, tp: int, tokens: int, ctx_batch: int =
 
 def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_dtype: str, ctx_batch: int,
           tiles: int, max_tile: int, moe_block: int, reserve: int, hbm: int, layout: str, decode_experts: str,
-          chunk: int) -> MemoryPlan:
+          chunk: int, dcp: int = 1) -> MemoryPlan:
     w, _ = weight_bytes(c, tp, ep, weights, decode_experts)
-    kv_cache, index_k = cache_bytes(c, tp, batch, seq, layout, kv_dtype)
+    kv_cache, index_k = cache_bytes(c, tp, batch, seq, layout, kv_dtype, dcp)
     if layout == "sharded":
         tokens = chunk
         phases = {"attention": sum(sharded_attention_bytes(c, tp, seq, chunk).values()),
                   "MoE": moe_bytes(c, tp, ep, chunk, moe_block)}
     elif layout == PAGED:
-        tokens, s = chunk, cache_tokens(c, tp, seq, layout)
+        tokens, s = chunk, cache_tokens(c, tp, seq, layout, dcp)
         tile = min(PAGED_TILE, chunk)
-        attention = attention_tile_bytes(c, tp, s, 1, tile, dense_tile(c, tp, s, tile))
-        phases = {"attention tile": sum(attention.values()) + paged_line_bytes(c, tp, 1, s, kv_dtype),
+        attention = attention_tile_bytes(c, tp, s, 1, tile, dense_tile(c, tp, s // dcp, tile), dcp)
+        phases = {"attention tile": sum(attention.values()) + paged_line_bytes(c, tp, 1, s // dcp, kv_dtype),
                   "MoE": static_moe_bytes(c, tp, ep, chunk, weights)}
     else:
         tokens, chunk = ctx_batch * seq, prefill_tile(c, seq, tiles, max_tile)
@@ -428,17 +453,22 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
                      f"calls of {chunk} tokens")
     if layout == PAGED:
         per_token = sum(cache_bytes(c, tp, 1, c.index_block_size, layout, kv_dtype)) // c.index_block_size
-        s = cache_tokens(c, tp, seq, layout)
+        s = cache_tokens(c, tp, seq, layout, dcp)
         notes.append(f"vLLM Neuron's pages of {c.index_block_size} tokens, shared by the running requests: "
                      f"{per_token:,} bytes per token per rank (K/V of {_heads(c, c.num_kv_heads, tp)} KV head per "
                      f"rank{f', each on {g} ranks' if g > 1 else ''}, index keys as two halves); {batch} x {s:,} = "
                      f"{batch * s:,} tokens of pages")
+        if dcp > 1:
+            notes.append(f"decode context parallelism {dcp} (vLLM's --decode-context-parallel-size): each request's "
+                         f"pages dealt by whole blocks over {dcp} ranks, in virtual blocks of "
+                         f"{c.index_block_size * dcp} tokens: 1/{dcp} per rank ({batch * s // dcp:,} tokens); "
+                         f"prefill buckets multiples of {c.index_block_size * dcp}")
         n_local = parallel.local_experts(c.num_experts, ep)
         notes.append(f"prompts prefilled one request per forward in segments of {chunk} tokens "
                      f"(max_num_batched_tokens); a segment's MoE as the model's static formulation computes it "
                      f"({static_strategy(chunk, c.top_k, n_local)}, ops.moe)")
     return MemoryPlan(tp, ep, batch, seq, ctx_batch, weights, kv_dtype, w, kv_cache, index_k, prefill, reserve,
-                      hbm, tuple(notes), chunk, tuple(phases.items()), layout, g, decode_experts)
+                      hbm, tuple(notes), chunk, tuple(phases.items()), layout, g, decode_experts, dcp)
 
 
 def chunk_choices(c: M3Config, tp: int, seq: int, cap: int = MAX_CHUNK) -> list[int]:
@@ -450,7 +480,7 @@ def chunk_choices(c: M3Config, tp: int, seq: int, cap: int = MAX_CHUNK) -> list[
 def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf16", kv_dtype: str = "bf16",
          ctx_batch: int | None = None, tiles: int = PREFILL_TILES, max_tile: int = PREFILL_MAX_TILE,
          moe_block: int = 512, reserve_gib: float = 3.0, hbm_gib: float = HBM_PER_RANK_GIB,
-         layout: str = PORT_LAYOUT, chunk: int | None = None, decode_experts: str = "ep") -> MemoryPlan:
+         layout: str = PORT_LAYOUT, chunk: int | None = None, decode_experts: str = "ep", dcp: int = 1) -> MemoryPlan:
     """Per-rank HBM for serving ``batch`` sequences of up to ``seq`` tokens on a ``tp`` x ``ep`` layout.
 
     ``replicated``: the prefill's query chunk follows ``chunks`` / ``max_tile`` (the port's ``prefill_tiles`` /
@@ -461,7 +491,8 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     segment sizes, default the largest or the whole prompt below it; else :class:`ChunkError`); bf16 or fp8
     experts, bf16 pages only, one request per prefill, the vocabulary split evenly (what the model serves; else
     :class:`PlanError`). ``decode_experts="tp"``: the port's decode copy of the routed experts
-    (``--decode-experts tp``), counted in the weights."""
+    (``--decode-experts tp``), counted in the weights. ``dcp``: vLLM's ``--decode-context-parallel-size`` (paged
+    only; ``parallel.dcp_problems``): the pages of each request dealt by block over dcp ranks."""
     if weights not in ("bf16", "fp8") or kv_dtype not in ("bf16", "fp8"):
         raise PlanError("weights and kv dtype are bf16 or fp8")
     if decode_experts not in parallel.DECODE_EXPERTS:
@@ -470,6 +501,9 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
         raise PlanError(f"layout {layout!r} is one of {', '.join(LAYOUTS)}")
     if min(tp, ep, batch, seq, tiles, max_tile, moe_block) < 1:
         raise PlanError("tp, ep, batch, seq, tiles, max_tile and moe_block must be positive")
+    if dcp != 1 and layout != PAGED:
+        raise PlanError(f"--dcp {dcp}: decode context parallelism is the paged layout's (vLLM's "
+                        f"--decode-context-parallel-size); the {layout} layout has none: plan it with --layout paged")
     ctx_batch = 1 if ctx_batch is None else ctx_batch  # what NeuronEngine runs: one request per prefill
     if layout == "replicated" and chunk is not None:
         raise PlanError("a prefill chunk (tokens per call) is the sharded and paged layouts'; the replicated "
@@ -488,6 +522,7 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
         if ctx_batch != 1:
             problems.append(f"--ctx-batch {ctx_batch}: vLLM Neuron prefills one request per forward (its scheduler's "
                             "max_prefills_per_batch is 1); leave --ctx-batch unset")
+        problems += parallel.dcp_problems(c, tp, dcp)
         if problems:
             raise PlanError(problems)
     _heads(c, c.num_heads, tp)
@@ -496,7 +531,7 @@ def plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str = "bf
     if layout == "replicated":
         return _plan(*args, 0)
     if layout == PAGED:
-        return _plan(*args, segment_tokens(seq, chunk))
+        return _plan(*args, segment_tokens(seq, chunk, dcp, c.index_block_size), dcp)
     if chunk is not None:
         problems = chunk_problems(c, tp, seq, chunk)
         if problems:
