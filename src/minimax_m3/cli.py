@@ -55,10 +55,17 @@ def _add_route(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route", choices=("nxdi", "vllm-neuron"), default="nxdi",
                    help="nxdi: the NxDI port (Neuron SDK <= 2.33); vllm-neuron: the vLLM Neuron model's graphs "
                         "through torch.compile / torch-mlir to StableHLO (with --dry-run)")
+    p.add_argument("--dcp", type=int, default=1,
+                   help="--route vllm-neuron: vLLM's --decode-context-parallel-size (each KV head's pages dealt by "
+                        "128-token block over this many of its ranks); the NxDI port shards by --kv-layout instead")
     nxdi = p.get_default("func")
 
     def run(args):
         if args.route == "nxdi":
+            if args.dcp != 1:
+                raise SpecError([f"--dcp {args.dcp} is the vLLM Neuron route's (vLLM's decode context parallelism); "
+                                 "the NxDI port splits its caches by sequence with --kv-layout sharded (the default)"],
+                                source="compile")
             return nxdi(args)
         if not args.dry_run:
             raise SpecError(["--route vllm-neuron builds graphs with --dry-run only: the plugin compiles on the trn2 "

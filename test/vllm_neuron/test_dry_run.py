@@ -193,3 +193,38 @@ def test_on_device_sampling_graphs_end_in_the_draw(report, tmp_path):
         assert g["bytes_read"] == h["bytes_read"] and g["collectives"] == h["collectives"], g["batch"]
     host_man = json.loads((host_out / "dry_run.json").read_text())
     assert not any('"stablehlo.rng"' in (host_out / g["stablehlo"]).read_text() for g in host_man["graphs"])
+
+
+def test_decode_context_parallel_graphs_read_the_planners_minimum(tmp_path):
+    """``--dcp 2`` at TP 4 (each of the tiny model's 2 KV heads on 2 ranks, their pages dealt by block): rank 0's
+    graphs, costed beside the planner's minimum for the paged layout with DCP. Decode reads the rank's own half of the
+    dense layers' pages and index keys, and the selected pages of every row (gathered whole, the other rank's
+    masked: not reduced by DCP); its collectives are the planner's kind by kind, the step's all-gather and
+    all-to-all per layer over the 2 DCP ranks among them."""
+    from minimax_m3.checkpoint.synthetic import write_synthetic
+
+    ckpt = write_synthetic(tmp_path / "tiny", "tiny", seed=0)
+    out = tmp_path / "dcp"
+    r = subprocess.run([sys.executable, "-m", "minimax_m3.cli", "compile", "--dry-run", "--route", "vllm-neuron",
+                        "--model", str(ckpt), "--tp", "4", "--ep", "1", "--dcp", "2", "--max-seq-len", "2048",
+                        "--dtype", "bfloat16", "--prefill-chunk", "512", "--batch", "2", "--compiled", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((out / "graphs.json").read_text())
+    man = json.loads((out / "dry_run.json").read_text())
+    assert man["layout"]["dcp"] == 2 and man["max_length"] == 2048
+    for g in rep["graphs"]:
+        a = g["analytic"]
+        assert "error" not in a, a
+        kinds = {(c["kind"], c["group_size"]) for c in g["collectives"]}
+        assert ("all-to-all", 2) in kinds, g["submodel"]
+        if g["submodel"] == "context_encoding_model":
+            assert g["gathered_kv"] == a["gathered_kv"]
+            continue
+        for kind in ("kv_dense", "kv_sparse", "index_k"):
+            assert g["bytes_read"][kind] == a["bytes_read"][kind], (g["submodel"], kind)
+        assert _by_kind(g["collectives"]) == _by_kind(a["collectives"]), g["submodel"]
+    bad = subprocess.run([sys.executable, "-m", "minimax_m3.cli", "compile", "--dry-run", "--route", "vllm-neuron",
+                          "--model", str(ckpt), "--tp", "4", "--dcp", "4", "--max-seq-len", "2048",
+                          "--compiled", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "use one of [1, 2]" in bad.stderr and "Traceback" not in bad.stderr

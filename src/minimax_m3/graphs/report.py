@@ -202,15 +202,16 @@ def analytic(cfg: M3Config, man: dict, g: dict) -> dict:
     batch = g.get("batch", man.get("batch_size", 1))
     size = 4 if str(man.get("dtype", "bfloat16")) in ("float32", "torch.float32") else 2
     layout, weights = kv_layout(man), man.get("weights", "bf16")
+    dcp = man["layout"].get("dcp", 1)  # the vLLM Neuron route's decode context parallelism
     try:
         if g["submodel"] in STEPS:  # a decode copy of the experts (--decode-experts tp) is read at its own ep
             t, ep = row_tokens(man, g), parallel.decode_ep(ep, man["layout"].get("decode_experts", "ep"))
             b = plan.decode_minimum_bytes(cfg, tp, ep, batch, g["bucket"], weights, dtype_bytes=size, layout=layout,
-                                          tokens=t)
+                                          tokens=t, dcp=dcp)
             return {"bytes_read": b, "gathered_kv": b["kv_sparse"],
-                    "collectives": plan.collectives(cfg, tp, ep, batch * t, layout, row_tokens=t)}
+                    "collectives": plan.collectives(cfg, tp, ep, batch * t, layout, row_tokens=t, dcp=dcp)}
         coll = plan.collectives(cfg, tp, ep, batch * g["bucket"], layout, logit_rows=batch, phase="prefill",
-                                chunked=man["layout"].get("chunked", True))
+                                chunked=man["layout"].get("chunked", True), dcp=dcp)
         if layout in ("sharded", "paged"):  # a call (a segment) of a longer prompt
             seq = max(man.get("max_length") or g["bucket"], g["bucket"])
             start = seq - g["bucket"]

@@ -29,7 +29,8 @@ from .._atomic import write_atomic
 from ..config.m3 import ConfigError, M3Config
 from ..errors import M3Error
 from ..graphs.stablehlo import to_hlo
-from ..planner.memory import PAGED_SEGMENTS, segment_problems
+from ..config import parallel
+from ..planner.memory import segment_problems, segment_tokens
 from .capture import Bucket, capture, lower, rank_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: torch.bfloat16}
@@ -42,14 +43,16 @@ class DryRunError(M3Error, ValueError):
         super().__init__(problems, "compile --dry-run --route vllm-neuron:")
 
 
-def buckets(c: M3Config, max_seq_len: int, max_batch: int, segment: int | None, drafts: int = 0) -> list[Bucket]:
+def buckets(c: M3Config, max_seq_len: int, max_batch: int, segment: int | None, drafts: int = 0,
+            dcp: int = 1) -> list[Bucket]:
     """The plugin's buckets: one prefill segment size, decode batches 1, 2, 4 .. ``max_batch`` (plus ``1 + drafts``
-    verify graphs), all over a table ``cdiv(max_seq_len, block)`` pages wide."""
-    width = -(-max_seq_len // c.index_block_size)
-    seg = segment or min(max_seq_len, PAGED_SEGMENTS[-1])
+    verify graphs), all over a table ``cdiv(max_seq_len, block x dcp)`` pages wide (vLLM's virtual blocks under
+    decode context parallelism)."""
+    width = -(-max_seq_len // (c.index_block_size * dcp))
+    seg = segment or segment_tokens(max_seq_len, None, dcp, c.index_block_size)
     # the plugin's segment rule, at its one home (the planner's paged layout); here the option is --prefill-chunk
     problems = [p.replace("--chunk = --seq", "--prefill-chunk = --max-seq-len").replace("--chunk", "--prefill-chunk")
-                for p in segment_problems(max_seq_len, seg)]
+                .replace("--seq", "--max-seq-len") for p in segment_problems(max_seq_len, seg, dcp, c.index_block_size)]
     if max_batch < 1:
         problems.append(f"--batch {max_batch}: at least 1")
     if problems:
@@ -71,13 +74,14 @@ def submodel(b: Bucket) -> str:
 
 
 def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dtype=torch.bfloat16,
-          log=print, experts: str = "bf16", on_device_sampling: bool = False) -> Path:
-    """Capture and lower each bucket of ``plan`` for rank 0 of ``tp``; write the modules and ``dry_run.json``."""
+          log=print, experts: str = "bf16", on_device_sampling: bool = False, dcp: int = 1) -> Path:
+    """Capture and lower each bucket of ``plan`` for rank 0 of ``tp`` (of its DCP group with ``dcp``); write the
+    modules and ``dry_run.json``."""
     out = Path(out)
     width = plan[0].width
     rows = max(b.batch for b in plan)
     model = rank_model(c, world=tp, rank=0, ep=ep, dtype=dtype, num_blocks=rows * width + 1, experts=experts,
-                       on_device_sampling=on_device_sampling)
+                       on_device_sampling=on_device_sampling, dcp=dcp)
     graphs, index = [], {}
     for b in plan:
         name = submodel(b)
@@ -88,7 +92,8 @@ def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dt
         rel = f"{name}/bucket{i}"
         write_atomic(out / "stablehlo" / f"{rel}.mlir", low.text.encode())
         write_atomic(out / "hlo" / f"{rel}.hlo", to_hlo(low.text, low.aliases).SerializeToString())
-        graphs.append({"submodel": name, "bucket": b.tokens if b.kind == "prefill" else width * c.index_block_size,
+        graphs.append({"submodel": name,
+                       "bucket": b.tokens if b.kind == "prefill" else width * c.index_block_size * dcp,
                        "batch": b.batch, "tokens": b.tokens, "hlo": f"hlo/{rel}.hlo",
                        "stablehlo": f"stablehlo/{rel}.mlir", "params": low.params,
                        "trace_checks": {"fx_graphs": len(cap.graphs), "recompiles": 0}})
@@ -96,9 +101,9 @@ def write(out: str | Path, c: M3Config, tp: int, ep: int, plan: list[Bucket], dt
             f"{sum(cap.ops().values())} FX ops, StableHLO {len(low.text) / 1e6:.1f} MB in "
             f"{time.perf_counter() - t0:.0f} s")
     manifest = {"format": 1, "port": "vllm-neuron", "route": "torch.compile -> torch-mlir -> StableHLO",
-                "layout": {"tp": tp, "ep": ep, "kv_layout": "paged", "chunked": True},
+                "layout": {"tp": tp, "ep": ep, "kv_layout": "paged", "chunked": True, "dcp": dcp},
                 "dtype": str(dtype).replace("torch.", ""), "batch_size": rows,
-                "max_length": width * c.index_block_size, "weights": experts,
+                "max_length": width * c.index_block_size * dcp, "weights": experts,
                 "on_device_sampling": on_device_sampling,
                 "speculation_length": max((b.tokens for b in plan if b.kind == "decode"), default=1),
                 "model": c.fields_dict(), "graphs": graphs}
@@ -129,14 +134,22 @@ def run(args) -> int:
             problems += exc.problems
             c = None
     tp, ep = args.tp or 64, args.ep or 1  # the model's default ep_degree: tensor-parallel experts
+    dcp = getattr(args, "dcp", 1) or 1
+    if c is not None:
+        problems += parallel.dcp_problems(c, tp, dcp)
+        if dcp > 1 and args.num_speculative_tokens:
+            problems.append(f"--dcp {dcp} with --speculative-tokens: the EAGLE3 draft is not served with decode "
+                            "context parallelism")
     if problems:
         raise DryRunError(problems)
-    plan = buckets(c, args.max_seq_len, args.max_batch or 1, args.prefill_chunk, args.num_speculative_tokens or 0)
+    plan = buckets(c, args.max_seq_len, args.max_batch or 1, args.prefill_chunk, args.num_speculative_tokens or 0,
+                   dcp)
     out = args.compiled or str(Path(args.model).resolve()) + f"-vllm-neuron-tp{tp}-dry-run"
     t0 = time.perf_counter()
-    print(f"vllm-neuron dry run: rank 0 of TP {tp} / EP {ep}, {c.num_layers} layers, {len(plan)} bucket(s)")
+    print(f"vllm-neuron dry run: rank 0 of TP {tp} / EP {ep}" + (f" / DCP {dcp}" if dcp > 1 else "")
+          + f", {c.num_layers} layers, {len(plan)} bucket(s)")
     path = write(out, c, tp, ep, plan, DTYPES[args.dtype], experts=getattr(args, "weights", None) or "bf16",
-                 on_device_sampling=bool(getattr(args, "on_device_sampling", False)))
+                 on_device_sampling=bool(getattr(args, "on_device_sampling", False)), dcp=dcp)
     print(f"wrote {len(plan)} graph(s) in {time.perf_counter() - t0:.0f} s -> {path}")
     from ..graphs import report as graphs
 
