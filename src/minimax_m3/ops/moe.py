@@ -73,7 +73,7 @@ def moe_all_experts(
 
 
 # The static formulations' shapes (no sort, no grouped matmul: what a graph compiler lowers), one home: the
-# reference's ``static`` strategy runs them, the planner sizes them (``planner.memory.static_moe_bytes``).
+# reference's ``static`` strategy runs them, the planner sizes them (``planner.working.static_moe_bytes``).
 
 def moe_block(rows: int, n_local: int) -> int:
     """Rows per block of the ``blocks`` formulation: the largest power of two <= rows / (4 x local experts), within

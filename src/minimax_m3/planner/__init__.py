@@ -26,12 +26,13 @@ from .cost import (COLLECTIVE_LATENCY_S, LINK_BYTES_PER_S, PEAK_FLOPS_PER_S, Ttf
 from .fit import FitError, largest_batch, largest_context, require_fit
 from .speculative import (ACCEPTANCE, M3_DRAFT, Projection, StepCost, draft_heads, draft_part, draft_reads,
                           format_projection, project, step_flops, target_step)
-from .memory import (BF16, FP8, FP32, GIB, HBM_BYTES_PER_S, HBM_PER_RANK_GIB, INT64, LAYOUTS, MAX_CHUNK, PAGED,
-                     PAGED_SEGMENTS, PAGED_SINGLE_SHOT, PAGED_TILE, PORT_LAYOUT, SHARD_ON_I_MULTIPLE, ChunkError,
-                     MemoryPlan, PlanError, attention_tile_bytes, cache_bytes, cache_multiple, cache_tokens,
-                     dense_tile, chunk_choices, chunk_problems, moe_bytes, paged_line_bytes, plan, prefill_tile,
-                     prefill_persistent_bytes, prefill_phases, segment_problems, segment_tokens,
-                     sharded_attention_bytes, static_moe_bytes, weight_bytes)
+from .base import (BF16, FP32, FP8, GIB, HBM_BYTES_PER_S, HBM_PER_RANK_GIB, INT64, LAYOUTS, MAX_CHUNK, PAGED,
+                   PAGED_SEGMENTS, PAGED_SINGLE_SHOT, PAGED_TILE, PORT_LAYOUT, SHARD_ON_I_MULTIPLE, cache_multiple,
+                   cache_tokens, ChunkError, PlanError)
+from .memory import (cache_bytes, chunk_choices, chunk_problems, MemoryPlan, plan, segment_problems, segment_tokens,
+                     weight_bytes)
+from .working import (attention_tile_bytes, dense_tile, moe_bytes, paged_line_bytes, prefill_persistent_bytes,
+                      prefill_phases, prefill_tile, sharded_attention_bytes, static_moe_bytes)
 
 __all__ = [
     "ACCEPTANCE", "M3_DRAFT", "Projection", "StepCost", "draft_heads", "draft_part", "draft_reads",

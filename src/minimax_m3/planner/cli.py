@@ -19,8 +19,8 @@ from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, HBM_BYTES_PER_S, PEAK_FLOPS_PER_S, Itl, collectives, decode_floor_ms, \
     decode_itl, link_seconds, ttft
 from .fit import largest_batch, largest_context
-from .memory import GIB, HBM_PER_RANK_GIB, LAYOUTS, PAGED, PAGED_SEGMENTS, PAGED_TILE, ChunkError, MemoryPlan, \
-    PlanError, cache_tokens, plan, weight_bytes
+from .base import GIB, HBM_PER_RANK_GIB, LAYOUTS, PAGED, PAGED_SEGMENTS, PAGED_TILE, cache_tokens, ChunkError, PlanError
+from .memory import MemoryPlan, plan, weight_bytes
 from .speculative import ITL_ACCEPTANCE, ITL_K, M3_DRAFT, format_projection, fused_itl, project
 
 CONTEXTS = (4096, 32768, 131072, 524288, 1048576)

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from ..config import parallel
 from ..config.m3 import M3Config
 from ..ops.step import ONE_GATHER_TOKENS, QuerySplit
-from .memory import (BF16, FP32, HBM_BYTES_PER_S, PAGED, PORT_LAYOUT, PlanError, _heads, cache_tokens,
-                     prefill_tile, weight_bytes)
+from .base import BF16, FP32, HBM_BYTES_PER_S, PAGED, PORT_LAYOUT, _heads, cache_tokens, PlanError
+from .memory import weight_bytes
+from .working import prefill_tile
 
 PEAK_FLOPS_PER_S = 10.7e15 / 64  # dense BF16 per logical core at LNC 2 (perf_anchors §1.1: 10.7 PF per instance)
 LINK_BYTES_PER_S = 1024e9 / 4  # NeuronLink-v3 per logical core (1,024 GB/s per chip within the instance, §1.1)

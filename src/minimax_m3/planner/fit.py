@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ..config.m3 import M3Config
 from ..config.parallel import KV_LAYOUTS
-from .memory import GIB, PORT_LAYOUT, MemoryPlan, PlanError, cache_multiple, plan
+from .base import GIB, PORT_LAYOUT, cache_multiple, PlanError
+from .memory import MemoryPlan, plan
 
 CONTEXT_LIMIT = 1 << 26  # the context search stops here (64M tokens, 64x M3's positions)
 BATCH_LIMIT = 1 << 20
@@ -65,7 +66,7 @@ def _alternative(c: M3Config, tp: int, ep: int, batch: int, seq: int, option: st
 def require_fit(c: M3Config, tp: int, ep: int, batch: int, seq: int, **kw) -> MemoryPlan:
     """The plan of ``batch`` x ``seq`` (``kw`` as :func:`plan`) when it fits; else one :class:`FitError` with the
     numbers and the largest context (at ``batch``) and batch (at ``seq``) that fit. A chunk the layout cannot use
-    is refused first (:class:`~minimax_m3.planner.memory.ChunkError`, with the sizes that work)."""
+    is refused first (:class:`~minimax_m3.planner.base.ChunkError`, with the sizes that work)."""
     p = plan(c, tp, ep, batch, seq, **kw)
     if p.fits:
         return p

@@ -39,7 +39,7 @@ from ..config.draft import DraftConfig
 from ..config.m3 import M3Config
 from .cost import COLLECTIVE_LATENCY_S, PEAK_FLOPS_PER_S, Itl, _per_token_flops, collectives, decode_minimum_bytes, \
     step_itl
-from .memory import BF16, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens
+from .base import BF16, HBM_BYTES_PER_S, PORT_LAYOUT, _heads, cache_tokens
 
 # An assumed draft for MiniMax-M3 when none is given: the published EAGLE3 head is a one-layer Llama fed by the
 # target's hidden size with MHA attention (docs/notes/m3_model_and_formats.md §3.4); its heads, MLP width and draft
