@@ -469,6 +469,9 @@ def test_decode_context_parallel_2_pages_dealt_by_block(tmp_path):
     assert all(r["block_table_shape"][1] * BLOCK * 2 >= 320 for r in fwd)
     cut = [r for r in fwd if r["kind"] == "prefill" and r["dcp_slots"] * 2 == r["input_ids_shape"][0]]
     assert cut, "no prefill segment carried the plugin's cut slot mapping"
+    # z's second segment starts where the decodes of its step left vLLM's scheduler (not on a lap): a slot per token
+    assert any(r["kind"] == "prefill" and r["dcp_slots"] == r["input_ids_shape"][0] and r["first_positions"][0] % 32
+               for r in fwd)
     hit = [r for r in fwd if r["kind"] == "prefill" and ext(r["req_ids"][0]) == "y"]
     assert hit[0]["first_positions"] == [64] and sum(n for r in hit for n in r["num_tokens"]) == 30
     assert any(r["kind"] == "decode" and len(r["req_ids"]) == 2 for r in fwd)
