@@ -48,6 +48,18 @@ def _paged(k, v, ik, width, gen):
     return kc, vc, ikc, table
 
 
+def _assert_oracle(got, q, k, v, iq, ik, starts, t, sparse):
+    """Each row's output equals the oracle's causal attention over its contiguous line (block-sparse when
+    ``sparse``), the row's ``t`` queries from ``starts[row]``."""
+    for row, s0 in enumerate(starts):
+        e = s0 + t
+        want = oracles.prefill_attention(q[row:row + 1], k[row:row + 1, :, :e], v[row:row + 1, :, :e], SCALE,
+                                         iq=iq[row:row + 1] if sparse else None,
+                                         ik=ik[row:row + 1, :e] if sparse else None,
+                                         block_size=P, topk=TOPK, tile=8, start=s0)
+        torch.testing.assert_close(got[row:row + 1], want, rtol=TOL, atol=TOL)
+
+
 @pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("start, t", [(0, 40), (13, 19), (37, 1), (29, 4)])
 def test_written_first_pages_match_oracle(sparse, start, t):
@@ -64,13 +76,7 @@ def test_written_first_pages_match_oracle(sparse, start, t):
     ik_line = Pages(ikc, table).lines()[:, 0] if sparse else None
     got = ops.attention_step(q, Pages(kc, table), Pages(vc, table), None, q_pos, torch.tensor(starts), 0,
                              ops.Alone(), SCALE, sel, iq if sparse else None, ik_line, tile=8)
-    for row, s0 in enumerate(starts):
-        e = s0 + t
-        want = oracles.prefill_attention(q[row:row + 1], k[row:row + 1, :, :e], v[row:row + 1, :, :e], SCALE,
-                                         iq=iq[row:row + 1] if sparse else None,
-                                         ik=ik[row:row + 1, :e] if sparse else None,
-                                         block_size=P, topk=TOPK, tile=8, start=s0)
-        torch.testing.assert_close(got[row:row + 1], want, rtol=TOL, atol=TOL)
+    _assert_oracle(got, q, k, v, iq, ik, starts, t, sparse)
 
 
 def test_padding_slots_go_to_the_null_page():
@@ -193,13 +199,7 @@ def test_block_interleaved_ranks_match_the_oracle(group, sparse, start, t):
 
     outs, calls = sh.run_group(group, rank_step)
     got = torch.cat(outs, dim=1)  # each rank's own heads, in rank order
-    for row, s0 in enumerate(starts):
-        e = s0 + t
-        want = oracles.prefill_attention(q[row:row + 1], k[row:row + 1, :, :e], v[row:row + 1, :, :e], SCALE,
-                                         iq=iq[row:row + 1] if sparse else None,
-                                         ik=ik[row:row + 1, :e] if sparse else None,
-                                         block_size=P, topk=TOPK, tile=8, start=s0)
-        torch.testing.assert_close(got[row:row + 1], want, rtol=TOL, atol=TOL)
+    _assert_oracle(got, q, k, v, iq, ik, starts, t, sparse)
     one = t < ops.step.ONE_GATHER_TOKENS and t == 1
     kinds = ["all-gather"] * (1 if one or not sparse else 2) + ["all-to-all"]
     assert calls == kinds
