@@ -29,6 +29,11 @@ every rank's partial output, maximum and sum for its own heads, merged by log-su
 Collectives per layer (:data:`COLLECTIVES`): 2 in decode and verify, 3 in a sparse prefill call, 2 in a dense one;
 none with ``G = 1``.
 
+**Ranks that hold whole blocks** (``unit`` = the index block: vLLM Neuron's decode context parallelism deals a KV
+head's pages so, :mod:`.layout`): the same step over caches that already hold every key (no active keys); each rank
+scores and reads only its own blocks, the candidates merge by a plain scatter (one proposer per block), the same
+collectives.
+
 Everything here is XLA-safe: shapes depend only on input shapes, tiles are a static Python loop, no host
 synchronisation.
 """

@@ -22,7 +22,9 @@ replicated (the plugin's Qwen3 rule, NxD's), experts over ``ep`` expert-parallel
 ``ep_degree: 64`` is the NxDI port's layout: each rank holds 2 whole experts, its expert matmuls keep the full
 intermediate width, and one all-reduce sums routed and shared experts (no all-to-all). The plugin's
 ``quantization: "fp8"`` holds the routed experts as per-channel e4m3 (the NxDI port's ``--weights fp8``), each
-product's output times its fp32 scale (``ops.moe.scaled``); the rest stays in the serving dtype.
+product's output times its fp32 scale (``ops.moe.scaled``); the rest stays in the serving dtype. vLLM's
+``decode_context_parallel_size`` deals each KV head's pages by whole blocks over that many of its ranks (vLLM's DCP
+group; :mod:`.paged_cache`), which is how this path holds a 1M-token context.
 """
 
 from __future__ import annotations
