@@ -205,12 +205,9 @@ def test_block_interleaved_ranks_match_the_oracle(group, sparse, start, t):
     assert calls == kinds
 
 
-def test_block_interleaved_positions_and_last_slots_by_hand():
+def test_block_interleaved_last_slots_by_hand():
     """``ops.layout`` dealt by 4-token runs over 2 ranks: rank 1 holds positions 4-7, 12-15, ...; a query at 9 reads
     rank 0's slots up to 5 (positions 0-3, 8, 9) and rank 1's up to 3 (positions 4-7)."""
-    slots = torch.arange(8)
-    assert ops.layout.slot_positions(slots, 1, 2, 4).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
-    assert ops.layout.slot_positions(slots, 0, 2, 4).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
     q = torch.tensor([0, 3, 4, 9, 15])
     assert ops.layout.last_slot(q, 0, 2, 4).tolist() == [0, 3, 3, 5, 7]
     assert ops.layout.last_slot(q, 1, 2, 4).tolist() == [-1, -1, 0, 3, 7]

@@ -59,7 +59,7 @@ def dcp_problems(c: M3Config, tp: int, dcp: int) -> list[str]:
     that hold each KV head, ``tp / num_kv_heads`` (16 for M3 at TP 64)."""
     if dcp == 1:
         return []
-    per_head = tp // c.num_kv_heads if tp > c.num_kv_heads else 1
+    per_head = kv_group_size(c, tp)
     if dcp > 0 and per_head % dcp == 0:
         return []
     fits = [d for d in range(1, per_head + 1) if per_head % d == 0]

@@ -12,8 +12,8 @@ rank that owns it (:func:`write_token`). ``G = 1`` is the replicated layout: eve
 parallel-layout rules in ``config.parallel`` (``check_layout``, ``call_unit``, ``check_call``).
 
 **Block-interleaved** (vLLM's decode context parallelism, whose plugin deals whole blocks): with ``unit`` = the
-index block, block ``n`` lives whole on rank ``n mod G``, the rank's local block ``n div G`` (:func:`slot_positions`,
-:func:`last_slot` take ``unit``). A selected block is then read on one rank only; the step masks the others'.
+index block, block ``n`` lives whole on rank ``n mod G``, the rank's local block ``n div G`` (:func:`last_slot`
+takes ``unit``). A selected block is then read on one rank only; the step masks the others'.
 
 The attention step over this layout is :func:`minimax_m3.ops.step.attention_step`. Every rank may be passed as an int
 or a 0-d tensor (one SPMD graph for all ranks). XLA-safe (``test/xla``).
@@ -37,8 +37,9 @@ def rank_index(rank, device) -> torch.Tensor:
 def last_slot(q_pos: torch.Tensor, rank, group: int, unit: int = 1) -> torch.Tensor:
     """The last slot of ``rank``'s shard a query at ``q_pos`` may read (causal: key position ``<= q_pos``; ``-1``:
     none). Token-interleaved (``unit`` 1): slot ``i`` holds position ``i*G + rank``, so ``i <= floor((q_pos - rank)
-    / G)``. Interleaved by ``unit`` tokens (vLLM's decode context parallelism, ``unit`` = its block):
-    :func:`slot_positions`; the positions grow with the slot, so the rank reads its slots up to this one."""
+    / G)``. Interleaved by ``unit`` tokens (vLLM's decode context parallelism, ``unit`` = its block): slot ``i``
+    holds ``(i div unit) * unit * G + rank * unit + i mod unit``; the positions grow with the slot, so the rank
+    reads its slots up to this one."""
     r = rank_index(rank, q_pos.device)
     if unit == 1:
         return torch.div(q_pos - r, group, rounding_mode="floor")
@@ -47,13 +48,6 @@ def last_slot(q_pos: torch.Tensor, rank, group: int, unit: int = 1) -> torch.Ten
     owner_ = torch.div(off, unit, rounding_mode="floor")  # the rank that holds q_pos's unit
     within = torch.where(owner_ == r, off % unit, torch.where(owner_ > r, unit - 1, -1))
     return lap * unit + within
-
-
-def slot_positions(slots: torch.Tensor, rank, group: int, unit: int = 1) -> torch.Tensor:
-    """The position each of ``rank``'s ``slots`` holds: runs of ``unit`` tokens dealt round the ``G`` ranks, slot
-    ``i`` holds ``(i div unit) * unit * G + rank * unit + i mod unit`` (``unit`` 1: ``i*G + rank``)."""
-    r = rank_index(rank, slots.device)
-    return torch.div(slots, unit, rounding_mode="floor") * unit * group + r * unit + slots % unit
 
 
 def write_token(shard: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, rank, group: int,

@@ -56,3 +56,9 @@ def cache_tokens(c: M3Config, tp: int, seq: int, layout: str, dcp: int = 1) -> i
     """The context bucket: ``seq`` rounded up to :func:`cache_multiple`."""
     m = cache_multiple(c, tp, layout, dcp)
     return -(-seq // m) * m
+
+
+def dcp_tokens(c: M3Config, seq: int, dcp: int) -> int:
+    """The tokens of a ``seq``-token request one rank of a paged DCP group holds (its own blocks): ``seq`` in whole
+    virtual blocks of ``block x dcp``, ``1 / dcp`` of them (``seq`` itself, rounded to whole pages, for ``dcp`` 1)."""
+    return cache_tokens(c, 0, seq, PAGED, dcp) // dcp

@@ -212,7 +212,7 @@ def format_table(c: M3Config, tp: int, ep: int, batch: int, kw: dict, chunk: int
                  segment: int | None = None, dcp: int = 1) -> str:
     """The layouts side by side per context: total GiB, fits, decode floor (ms), TTFT (s, prompt = context; not for
     the paged layout). ``chunk``: the sharded layout's; ``segment``, ``dcp``: the paged layout's."""
-    g = tp // c.num_kv_heads if tp > c.num_kv_heads else 1
+    g = parallel.kv_group_size(c, tp)
     lines = [f"batch {batch}, tp {tp} / ep {ep}, {kw.get('weights', 'bf16')} experts, KV {kw.get('kv_dtype', 'bf16')}"
              f", GiB per rank of {kw.get('hbm_gib', HBM_PER_RANK_GIB):.2f}; TTFT of a prompt as long as the context:",
              f"{'':>8} | {'replicated (GQA copies)':<32} | {f'sharded (caches / {g}, chunked prefill)':<47} | "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..config import parallel
 from ..config.m3 import M3Config
 from ..ops.step import ONE_GATHER_TOKENS, QuerySplit
-from .base import BF16, FP32, HBM_BYTES_PER_S, PAGED, PORT_LAYOUT, _heads, cache_tokens, PlanError
+from .base import BF16, FP32, HBM_BYTES_PER_S, PAGED, PORT_LAYOUT, _heads, cache_tokens, dcp_tokens, PlanError
 from .memory import weight_bytes
 from .working import prefill_tile
 
@@ -82,7 +82,7 @@ def decode_minimum_bytes(c: M3Config, tp: int, ep: int, batch: int, bucket: int,
     kvb = dtype_bytes if kv_dtype == "bf16" else 1
     per_token_kv = _heads(c, c.num_kv_heads, tp) * c.head_dim * 2 * kvb
     n_sparse = sum(c.sparse_layers)
-    keys = -(-bucket // (c.index_block_size * dcp)) * c.index_block_size if dcp > 1 else -(-bucket // g)
+    keys = dcp_tokens(c, bucket, dcp) if dcp > 1 else -(-bucket // g)
     return {
         "weights": w,
         "kv_sparse": batch * tokens * -(-min(c.index_topk * c.index_block_size, bucket) // g) * per_token_kv

@@ -66,7 +66,7 @@ from ..ops.moe import static_strategy
 from ..ops.prefill import PREFILL_TILES, PREFILL_MAX_TILE
 from .base import (BF16, FP8, FP32, GIB, HBM_PER_RANK_GIB, LAYOUTS, MAX_CHUNK, PAGED, PAGED_SEGMENTS,
                    PAGED_SINGLE_SHOT, PAGED_TILE, PORT_LAYOUT, SHARD_ON_I_MULTIPLE, ChunkError, PlanError, _heads,
-                   cache_multiple, cache_tokens)
+                   cache_multiple, cache_tokens, dcp_tokens)
 from .working import (attention_tile_bytes, dense_tile, moe_bytes, paged_line_bytes, prefill_persistent_bytes,
                       prefill_phases, prefill_tile, sharded_attention_bytes, static_moe_bytes)
 
@@ -109,13 +109,19 @@ class MemoryPlan:
         return self.total_bytes <= self.hbm_bytes
 
 
+def _segment_unit(dcp: int, block: int) -> int:
+    """What a paged prefill segment is a multiple of: ``dcp x block`` under decode context parallelism (B@0), else
+    any size."""
+    return block * dcp if dcp > 1 else 1
+
+
 def segment_problems(seq: int, chunk: int, dcp: int = 1, block: int = 128) -> list[str]:
     """Why the paged layout cannot prefill a ``seq``-token context in segments of ``chunk`` tokens (empty: it can).
     vLLM Neuron segments a prompt when ``max_num_batched_tokens`` (the segment) is below ``max_model_len``, and then
     only in one of its segment sizes; a context of at most the single-shot limit may instead be one call (the
     ``compile --dry-run --route vllm-neuron`` rule). With ``dcp`` > 1 a prefill bucket is a multiple of ``dcp x
     block`` (each DCP rank writes whole blocks), the single call the prompt rounded up to it."""
-    unit = block * dcp if dcp > 1 else 1
+    unit = _segment_unit(dcp, block)
     whole = -(-seq // unit) * unit
     if chunk % unit == 0 and (chunk in PAGED_SEGMENTS or chunk == whole <= PAGED_SINGLE_SHOT):
         return []
@@ -137,7 +143,7 @@ def segment_tokens(seq: int, chunk: int | None = None, dcp: int = 1, block: int 
     :class:`ChunkError`); by default the largest segment, or the whole prompt when ``seq`` is shorter (with ``dcp``
     > 1 rounded up to ``dcp x block``)."""
     if chunk is None:
-        unit = block * dcp if dcp > 1 else 1
+        unit = _segment_unit(dcp, block)
         return min(-(-seq // unit) * unit, PAGED_SEGMENTS[-1])
     problems = segment_problems(seq, chunk, dcp, block)
     if problems:
@@ -229,10 +235,10 @@ def _plan(c: M3Config, tp: int, ep: int, batch: int, seq: int, weights: str, kv_
         phases = {"attention": sum(sharded_attention_bytes(c, tp, seq, chunk).values()),
                   "MoE": moe_bytes(c, tp, ep, chunk, moe_block)}
     elif layout == PAGED:
-        tokens, s = chunk, cache_tokens(c, tp, seq, layout, dcp)
+        tokens, s, own = chunk, cache_tokens(c, tp, seq, layout, dcp), dcp_tokens(c, seq, dcp)
         tile = min(PAGED_TILE, chunk)
-        attention = attention_tile_bytes(c, tp, s, 1, tile, dense_tile(c, tp, s // dcp, tile), dcp)
-        phases = {"attention tile": sum(attention.values()) + paged_line_bytes(c, tp, 1, s // dcp, kv_dtype),
+        attention = attention_tile_bytes(c, tp, s, 1, tile, dense_tile(c, tp, own, tile), dcp)
+        phases = {"attention tile": sum(attention.values()) + paged_line_bytes(c, tp, 1, own, kv_dtype),
                   "MoE": static_moe_bytes(c, tp, ep, chunk, weights)}
     else:
         tokens, chunk = ctx_batch * seq, prefill_tile(c, seq, tiles, max_tile)

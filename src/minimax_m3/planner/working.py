@@ -9,7 +9,7 @@ from ..config.m3 import M3Config
 from ..ops.moe import blocks_capacity, static_strategy
 from ..ops.prefill import PREFILL_TILES, PREFILL_MAX_TILE, tile_for
 from ..ops.step import TILE_ELEMENTS
-from .base import BF16, FP8, FP32, INT64, _heads, cache_tokens
+from .base import BF16, FP8, FP32, INT64, _heads, cache_tokens, dcp_tokens
 
 def dense_tile(c: M3Config, tp: int, seq: int, tile: int) -> int:
     """Paged layout: queries per tile of a dense read over ``seq`` keys, ``ops.step.partial_attention``'s rule: at
@@ -53,7 +53,7 @@ def attention_tile_bytes(c: M3Config, tp: int, seq: int, ctx_batch: int = 1, chu
     b, bs, k = ctx_batch, c.index_block_size, c.index_topk
     q, kv, iq = _heads(c, c.num_heads, tp), _heads(c, c.num_kv_heads, tp), _heads(c, c.index_heads, tp)
     nblk = -(-seq // bs)
-    keys = -(-seq // (bs * dcp)) * bs if dcp > 1 else seq  # the keys a rank holds: its own blocks
+    keys = dcp_tokens(c, seq, dcp) if dcp > 1 else seq  # the keys a rank holds: its own blocks
     dense = {"scores and probabilities": b * q * dc * keys * 2 * FP32, "causal mask": b * dc * keys}
     if not any(c.sparse_layers) or nblk <= k:
         return dense

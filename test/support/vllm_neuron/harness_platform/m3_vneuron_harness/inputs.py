@@ -89,9 +89,8 @@ class ForwardInputs:
         for bt in self.input_batch.block_table.block_tables:
             bs = bt.block_size
             blocks = bt.block_table.np[row, positions // (bs * w)].astype(np.int64)
-            off = positions % (bs * w)
-            slots = blocks * bs + off // (w * bs) * bs + off % bs
-            out.append(np.where(off // bs % w == r, slots, NULL_BLOCK_ID) if w > 1 else slots)
+            slots = blocks * bs + positions % bs  # interleave = the block: a token's offset in its rank's page
+            out.append(np.where(positions // bs % w == r, slots, NULL_BLOCK_ID) if w > 1 else slots)
         return out
 
     @property
